@@ -1,0 +1,196 @@
+"""Paged attention for decode: one new query token per sequence, flash-decoding style.
+
+Each program handles one (sequence, KV head, partition of ``PARTITION_SIZE`` context
+positions) and all query heads of that KV head's group at once, so GQA/MQA read every key
+once. Short contexts (one partition) write the output directly; longer ones write per-partition
+partial results that a second kernel merges, so a few long sequences still fill the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_decode
+from kernels.triton_tiles import (
+    LOG2_E,
+    attend_tile,
+    dot_dtype,
+    dot_precision,
+    next_power_of_2,
+    tile_tokens,
+)
+
+PARTITION_SIZE = 512  # context positions per program; a multiple of every tile size
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows, so small head groups are padded
+
+
+@triton.jit
+def _decode_partition_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    qk_scale,
+    stride_query_seq,
+    stride_query_head,
+    stride_out_seq,
+    stride_out_head,
+    stride_block,
+    stride_slot,
+    stride_kv_head,
+    stride_table_seq,
+    num_heads,
+    max_partitions,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Attention of one head group over one context partition."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    partition = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = partition * PARTITION
+    if start >= context_len:
+        return
+    end = tl.minimum(start + PARTITION, context_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    q_offsets = seq * stride_query_seq + heads[:, None] * stride_query_head + dims[None, :]
+    query = tl.load(query_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    query = query.to(DOT_DTYPE)
+
+    table_row_ptr = block_tables_ptr + seq * stride_table_seq
+    head_offset = kv_head * stride_kv_head
+    max_score = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    score_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for tile_start in range(start, end, TILE):
+        positions = tile_start + tl.arange(0, TILE)
+        valid = positions < end
+        score_mask = tl.broadcast_to(valid[None, :], (GROUP_PAD, TILE))
+        max_score, score_sum, acc = attend_tile(
+            query, key_cache_ptr, value_cache_ptr, table_row_ptr, positions, valid, score_mask,
+            head_offset, dims, dim_mask, max_score, score_sum, acc, qk_scale,
+            stride_block, stride_slot, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        )
+
+    store_mask = row_mask[:, None] & dim_mask[None, :]
+    if SINGLE_PARTITION:
+        out = acc / score_sum[:, None]
+        out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        slot = (seq * num_heads + heads) * max_partitions + partition
+        tl.store(partial_max_ptr + slot, max_score, mask=row_mask)
+        tl.store(partial_sum_ptr + slot, score_sum, mask=row_mask)
+        partial_offsets = slot[:, None] * HEAD_DIM_PAD + dims[None, :]
+        tl.store(partial_out_ptr + partial_offsets, acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    context_lens_ptr,
+    stride_out_seq,
+    stride_out_head,
+    num_heads,
+    max_partitions,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PARTITION: tl.constexpr,
+    PARTITIONS_PAD: tl.constexpr,
+):
+    """Merge one head's partition results: rescale each by its max score, then normalise."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_partitions = tl.cdiv(context_len, PARTITION)
+    partitions = tl.arange(0, PARTITIONS_PAD)
+    used = partitions < num_partitions
+    slots = (seq * num_heads + head) * max_partitions + partitions
+    max_scores = tl.load(partial_max_ptr + slots, mask=used, other=float("-inf"))
+    weights = tl.exp2(max_scores - tl.max(max_scores, axis=0))
+    total = tl.sum(weights * tl.load(partial_sum_ptr + slots, mask=used, other=0.0), axis=0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    partial = tl.load(
+        partial_out_ptr + slots[:, None] * HEAD_DIM_PAD + dims[None, :], mask=used[:, None], other=0.0
+    )
+    out = tl.sum(partial * weights[:, None], axis=0) / total
+    out_offsets = seq * stride_out_seq + head * stride_out_head + dims
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence ``[num_seqs, num_heads, head_dim]`` against its paged context."""
+    max_context_len = check_decode(query, key_cache, value_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    head_dim_pad = next_power_of_2(head_dim)
+    tile = min(tile_tokens(head_dim_pad), PARTITION_SIZE)
+    max_partitions = triton.cdiv(max_context_len, PARTITION_SIZE)
+    single = max_partitions == 1
+    partial_shape = (num_seqs, num_heads, max_partitions) if not single else (0,)
+    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
+    partial_sum = torch.empty_like(partial_max)
+    partial_out = torch.empty((*partial_shape, head_dim_pad), dtype=torch.float32, device=query.device)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
+        out, partial_out, partial_max, partial_sum,
+        query, key_cache, value_cache, block_tables, context_lens,
+        scale * LOG2_E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        num_heads, max_partitions,
+        GROUP=group,
+        GROUP_PAD=max(MIN_DOT_ROWS, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        PARTITION=PARTITION_SIZE,
+        SINGLE_PARTITION=single,
+        DOT_DTYPE=dot_dtype(key_cache.dtype),
+        DOT_PRECISION=dot_precision(key_cache.dtype),
+    )
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, partial_out, partial_max, partial_sum, context_lens,
+            out.stride(0), out.stride(1), num_heads, max_partitions,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            PARTITION=PARTITION_SIZE,
+            PARTITIONS_PAD=next_power_of_2(max_partitions),
+        )
+    return out

@@ -1,0 +1,133 @@
+"""Paged attention for prefill: a flattened batch of new tokens against their paged context.
+
+Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i + 1]``; they are the last
+tokens of its ``context_lens[i]`` (already written into the cache), so cached prefixes and
+chunked prefill need no separate path. Each program handles ``BLOCK_M`` query rows of one
+sequence and one head, and walks the context only up to its last row's position (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_prefill
+from kernels.triton_tiles import (
+    LOG2_E,
+    attend_tile,
+    dot_dtype,
+    dot_precision,
+    next_power_of_2,
+    tile_tokens,
+)
+
+BLOCK_M = 32  # query rows per program
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    qk_scale,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_block,
+    stride_slot,
+    stride_kv_head,
+    stride_table_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Causal attention of ``BLOCK_ROWS`` query rows of one sequence and head."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    first_row = tl.program_id(2) * BLOCK_ROWS
+    query_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    num_queries = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - query_start
+    if first_row >= num_queries:
+        return
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
+    rows = first_row + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < num_queries
+    # Padding rows get positions past the context and are never stored.
+    query_positions = context_len - num_queries + rows
+    end = tl.minimum(context_len, context_len - num_queries + first_row + BLOCK_ROWS)
+
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    tokens = query_start + rows
+    q_offsets = tokens[:, None] * stride_query_token + head * stride_query_head + dims[None, :]
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    query = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)
+    query = query.to(DOT_DTYPE)
+
+    table_row_ptr = block_tables_ptr + seq * stride_table_seq
+    head_offset = (head // GROUP) * stride_kv_head
+    max_score = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+    score_sum = tl.zeros([BLOCK_ROWS], tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, HEAD_DIM_PAD], tl.float32)
+    for tile_start in range(0, end, TILE):
+        positions = tile_start + tl.arange(0, TILE)
+        valid = positions < end
+        score_mask = valid[None, :] & (positions[None, :] <= query_positions[:, None])
+        max_score, score_sum, acc = attend_tile(
+            query, key_cache_ptr, value_cache_ptr, table_row_ptr, positions, valid, score_mask,
+            head_offset, dims, dim_mask, max_score, score_sum, acc, qk_scale,
+            stride_block, stride_slot, BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        )
+
+    out = acc / score_sum[:, None]
+    out_offsets = tokens[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a flattened batch of new tokens against their paged context."""
+    _, starts = check_prefill(
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens
+    )
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    max_queries = max((end - start for start, end in zip(starts, starts[1:])), default=0)
+    if max_queries == 0:
+        return out
+    head_dim_pad = next_power_of_2(head_dim)
+    grid = (len(starts) - 1, num_heads, triton.cdiv(max_queries, BLOCK_M))
+    _prefill_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+        scale * LOG2_E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_ROWS=BLOCK_M,
+        TILE=tile_tokens(head_dim_pad),
+        DOT_DTYPE=dot_dtype(key_cache.dtype),
+        DOT_PRECISION=dot_precision(key_cache.dtype),
+    )
+    return out
