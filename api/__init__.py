@@ -1,0 +1,1 @@
+"""pagedserve job service: REST API, job store, auth and enqueueing (torch-free)."""

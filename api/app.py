@@ -1,0 +1,30 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+
+from api.errors import install_error_handlers
+from api.limits import BodySizeLimit
+from api.routes import events, health, jobs
+from api.settings import Settings, configure, get_settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the API; `settings` (if given) become this process's settings."""
+    if settings is not None:
+        configure(settings)
+    app = FastAPI(
+        title="pagedserve",
+        version="0.1.0",
+        summary="LLM generation jobs on a PagedAttention engine: submit, stream, poll, get webhooks.",
+    )
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    app.include_router(events.router)
+    app.add_middleware(BodySizeLimit, max_bytes=get_settings().max_body_bytes)
+    logging.getLogger("pagedserve").setLevel(logging.INFO)
+    return app

@@ -1,0 +1,56 @@
+"""Errors the service raises for the client's mistakes, and how the API renders every 4xx."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """A client error with its HTTP status and, where one field is to blame, that field's name."""
+
+    def __init__(self, status_code: int, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.field = field
+
+
+def log_event(logger: logging.Logger, event: str, **fields: Any) -> None:
+    """One structured log line: the event name then key=value pairs."""
+    logger.info("%s %s", event, " ".join(f"{key}={value}" for key, value in fields.items()))
+
+
+def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+def _error_response(status_code: int, message: str, field: str | None, detail: Any = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": {"message": message, "field": field, "status": status_code}}
+    body["detail"] = detail if detail is not None else message
+    return JSONResponse(body, status_code=status_code)
+
+
+async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return _error_response(exc.status_code, exc.message, exc.field)
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    messages = [f"{_field_name(e['loc'])}: {e['msg']}" for e in errors]
+    first_field = _field_name(errors[0]["loc"]) if errors else None
+    detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in errors]
+    return _error_response(422, "; ".join(messages), first_field, detail)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render ApiError and validation errors as {error: {message, field, status}, detail}."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)

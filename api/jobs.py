@@ -1,0 +1,142 @@
+"""Job operations behind the routes: create (with idempotency), read, list and cancel."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from datetime import datetime
+
+from sqlalchemy import and_, or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api import streams
+from api.errors import ApiError
+from api.lifecycle import job_created, transition
+from api.models import ApiKey, Job, JobStatus
+from api.prompts import PromptTooLongError, prompt_model
+from api.schemas import JobCreate
+from api.settings import get_settings
+from api.webhook_urls import check_webhook_url
+
+
+def _build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
+    model = prompt_model()
+    messages = [m.model_dump() for m in body.messages] if body.messages else None
+    prompt = body.prompt if messages is None else model.render_chat(messages)
+    field = "prompt" if messages is None else "messages"
+    try:
+        num_prompt_tokens = model.check_fits(prompt, body.max_tokens, field=field_prefix + field)
+    except PromptTooLongError as exc:
+        raise ApiError(422, str(exc), field_prefix + field) from exc
+    if body.webhook_url:
+        try:
+            check_webhook_url(body.webhook_url, get_settings().webhook_allow_private)
+        except ValueError as exc:
+            raise ApiError(422, f"{field_prefix}{exc}", field_prefix + "webhook_url") from exc
+    return Job(
+        api_key_id=key.id,
+        status=JobStatus.queued,
+        prompt=prompt,
+        messages=messages,
+        params=body.sampling_params(),
+        priority=body.priority,
+        metadata_=body.metadata,
+        webhook_url=body.webhook_url,
+        prompt_tokens=num_prompt_tokens,
+        attempts=0,
+    )
+
+
+def _request_hash(body: JobCreate) -> str:
+    return hashlib.sha256(json.dumps(body.model_dump(), sort_keys=True).encode()).hexdigest()
+
+
+def create_job(session: Session, key: ApiKey, body: JobCreate, idempotency_key: str | None) -> tuple[Job, bool]:
+    """Persist and enqueue one job; with an idempotency key a repeat returns the first job (created=False)."""
+    job = _build_job(key, body)
+    if idempotency_key is not None:
+        existing = _idempotent_match(session, key, idempotency_key, _request_hash(body))
+        if existing is not None:
+            return existing, False
+        job.idempotency_key, job.request_hash = idempotency_key, _request_hash(body)
+    session.add(job)
+    try:
+        session.commit()
+    except IntegrityError:  # another request with the same key won the race
+        session.rollback()
+        existing = _idempotent_match(session, key, idempotency_key or "", _request_hash(body))
+        if existing is None:
+            raise
+        return existing, False
+    job_created(job)
+    return job, True
+
+
+def _idempotent_match(session: Session, key: ApiKey, idempotency_key: str, request_hash: str) -> Job | None:
+    existing = session.scalar(
+        select(Job).where(Job.api_key_id == key.id, Job.idempotency_key == idempotency_key)
+    )
+    if existing is not None and existing.request_hash != request_hash:
+        raise ApiError(409, "Idempotency-Key was already used with a different request body", "Idempotency-Key")
+    return existing
+
+
+def create_jobs(session: Session, key: ApiKey, bodies: list[JobCreate]) -> list[Job]:
+    """Persist and enqueue many jobs in one transaction: all are accepted or none."""
+    jobs = [_build_job(key, body, field_prefix=f"jobs.{i}.") for i, body in enumerate(bodies)]
+    session.add_all(jobs)
+    session.commit()
+    for job in jobs:
+        job_created(job)
+    return jobs
+
+
+def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    """The caller's job, or 404 (also for another key's job, so ids reveal nothing)."""
+    job = session.get(Job, job_id)
+    if job is None or job.api_key_id != key.id:
+        raise ApiError(404, f"job {job_id} not found", "job_id")
+    return job
+
+
+def _encode_cursor(job: Job) -> str:
+    raw = json.dumps([job.created_at.isoformat(), job.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        created_at, job_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        return datetime.fromisoformat(created_at), str(job_id)
+    except (ValueError, TypeError) as exc:
+        raise ApiError(422, "cursor is not a value returned as next_cursor", "cursor") from exc
+
+
+def list_jobs(
+    session: Session, key: ApiKey, status: JobStatus | None, limit: int, cursor: str | None
+) -> tuple[list[Job], str | None]:
+    """A page of the caller's jobs, newest first, and the cursor of the next page."""
+    query = select(Job).where(Job.api_key_id == key.id)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if cursor:
+        created_at, job_id = _decode_cursor(cursor)
+        query = query.where(
+            or_(Job.created_at < created_at, and_(Job.created_at == created_at, Job.id < job_id))
+        )
+    jobs = list(session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+    next_cursor = _encode_cursor(jobs[limit - 1]) if len(jobs) > limit else None
+    return jobs[:limit], next_cursor
+
+
+def cancel_job(session: Session, key: ApiKey, job_id: str) -> Job:
+    """Cancel a queued or running job: a queued one never starts, a running one is aborted by its worker."""
+    job = get_job(session, key, job_id)
+    cancelled = transition(session, job.id, JobStatus.cancelled, {JobStatus.queued, JobStatus.running})
+    if cancelled is None:
+        session.refresh(job)
+        raise ApiError(409, f"job {job_id} is already {job.status.value} and cannot be cancelled", "job_id")
+    streams.request_cancel(streams.redis_client(), job.id)
+    return cancelled

@@ -1,0 +1,97 @@
+"""Torch-free prompt handling for the API: chat templates and token counts against the model's context."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from api.settings import get_settings
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus max_tokens does not fit the model's context window."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptModel:
+    """What the API needs of the model: its tokenizer, context length and chat template."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    chat_template: str | None
+    special_tokens: dict[str, str]
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for chat messages, through the model's own chat template."""
+        if not self.chat_template:
+            raise ValueError("messages: this model has no chat template; send a prompt instead")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+
+    def count_tokens(self, prompt: str) -> int:
+        """Number of prompt tokens the engine will see."""
+        return len(self.tokenizer.encode(prompt).ids)
+
+    def check_fits(self, prompt: str, max_tokens: int, field: str = "prompt") -> int:
+        """The prompt's token count, or PromptTooLongError when prompt + max_tokens exceeds the context."""
+        num_tokens = self.count_tokens(prompt)
+        if num_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"{field}: {num_tokens} prompt tokens + max_tokens {max_tokens} exceed the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        return num_tokens
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    tokens = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def model_folder(model: str) -> Path:
+    """The local HF folder of a model name or path (named models are resolved by the engine's torch-free helper)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from engine.model_files import resolve_model
+
+    return Path(resolve_model(model))
+
+
+@lru_cache(maxsize=4)
+def load_prompt_model(model: str) -> PromptModel:
+    """Load tokenizer and limits of a model once per process."""
+    folder = model_folder(model)
+    config = json.loads((folder / "config.json").read_text())
+    tok_config_path = folder / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
+    template = tok_config.get("chat_template")
+    template_file = folder / "chat_template.jinja"
+    if template is None and template_file.exists():
+        template = template_file.read_text()
+    return PromptModel(
+        name=model,
+        tokenizer=Tokenizer.from_file(str(folder / "tokenizer.json")),
+        max_model_len=int(config.get("max_position_embeddings", 2048)),
+        chat_template=template if isinstance(template, str) else None,
+        special_tokens=_special_tokens(tok_config),
+    )
+
+
+def prompt_model() -> PromptModel:
+    """The configured model's prompt handling."""
+    return load_prompt_model(get_settings().model)

@@ -1,0 +1,181 @@
+"""Request and response schemas of the REST API, with the bounds every input is checked against."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from api.models import DeliveryStatus, JobStatus
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MetadataValue = str | int | float | bool | None
+
+
+class SamplingParamsIn(BaseModel):
+    """Sampling parameters, as the engine's SamplingParams takes them."""
+
+    model_config = _STRICT
+
+    n: int = Field(1, ge=1, le=16)
+    max_tokens: int = Field(16, ge=1, le=32768)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=100_000)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] | None = Field(None, max_length=16)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=32768)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(not 1 <= len(s) <= 256 for s in value):
+            raise ValueError("each stop string must be 1 to 256 characters long")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value and any(i < 0 for i in value):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return value
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> SamplingParamsIn:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = _STRICT
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=400_000)
+
+
+class JobCreate(SamplingParamsIn):
+    """Body of POST /v1/jobs: a prompt or chat messages, sampling parameters and delivery options."""
+
+    prompt: str | None = Field(None, min_length=1, max_length=400_000)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=256)
+    priority: int = Field(0, ge=-1000, le=1000)
+    metadata: dict[str, MetadataValue] | None = Field(None, max_length=32)
+    webhook_url: str | None = Field(None, min_length=1, max_length=2048)
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> JobCreate:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The sampling parameters alone, as stored with the job and passed to the engine."""
+        return self.model_dump(include=set(SamplingParamsIn.model_fields))
+
+
+class JobBatchCreate(BaseModel):
+    """Body of POST /v1/jobs/batch: jobs accepted all together or not at all."""
+
+    model_config = _STRICT
+
+    jobs: list[JobCreate] = Field(min_length=1, max_length=1000)
+
+
+class Choice(BaseModel):
+    """One generated completion of a job."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: Any = None
+
+
+class JobOut(BaseModel):
+    """A job as the API shows it."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    status: JobStatus
+    prompt: str
+    messages: list[dict[str, str]] | None
+    params: dict[str, Any]
+    priority: int
+    metadata: dict[str, Any] | None = Field(validation_alias="metadata_")
+    webhook_url: str | None
+    attempts: int
+    worker_id: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    text: str | None = None
+    choices: list[Choice] | None = Field(None, validation_alias="output")
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    first_token_at: datetime | None
+    finished_at: datetime | None
+
+    @model_validator(mode="after")
+    def _first_text(self) -> JobOut:
+        if self.choices:
+            self.text = self.choices[0].text
+        return self
+
+
+class JobList(BaseModel):
+    """A page of jobs, newest first; pass next_cursor back as cursor for the next page."""
+
+    data: list[JobOut]
+    next_cursor: str | None
+
+
+class JobBatchOut(BaseModel):
+    """The jobs created by one batch request, in request order."""
+
+    data: list[JobOut]
+
+
+class WebhookAttemptOut(BaseModel):
+    """One recorded webhook attempt."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    attempt_number: int
+    status_code: int | None
+    error: str | None
+    duration_ms: int
+    created_at: datetime
+
+
+class WebhookDeliveryOut(BaseModel):
+    """A webhook delivery of a job with every attempt made."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    event: str
+    url: str
+    status: DeliveryStatus
+    num_attempts: int
+    created_at: datetime
+    finished_at: datetime | None
+    attempts: list[WebhookAttemptOut]

@@ -1,0 +1,80 @@
+"""The one settings object of the service, read from PAGEDSERVE_* environment variables."""
+
+from __future__ import annotations
+
+import secrets
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Service configuration; every field is PAGEDSERVE_<NAME> in the environment and --<name> on the CLI."""
+
+    model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_", extra="ignore")
+
+    data_dir: Path = Field(Path("~/.local/share/pagedserve"), description="embedded SQLite, Redis files, uploads")
+    cache_dir: Path = Field(Path("~/.cache/pagedserve"), description="converted model weights")
+    database_url: str | None = Field(None, description="SQLAlchemy URL of the job store (default: SQLite in data dir)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker and token event streams")
+    redis_key_prefix: str = Field("pagedserve:", description="prefix of every Redis key the service writes")
+    host: str = Field("127.0.0.1", description="where the API listens")
+    port: int = Field(8000, description="API port")
+    metrics_port: int = Field(9400, description="a worker's Prometheus port")
+    model: str = Field("smollm2-135m-instruct", description="model name or local HF folder")
+    dtype: str = Field("auto", description="weights dtype: auto, float32, bfloat16")
+    kv_cache_memory: str | None = Field(None, description="KV cache budget on the device (default: engine's choice)")
+    swap_space: str = Field("4GiB", description="CPU swap pool for preempted KV blocks")
+    max_num_seqs: int = Field(64, ge=1, le=1024, description="engine batch limit and worker concurrency")
+    block_size: int = Field(16, ge=1, description="KV block size in tokens")
+    preemption_mode: Literal["swap", "recompute"] = Field("swap", description="how the engine preempts")
+    attention_backend: Literal["triton", "torch"] | None = Field(None, description="attention implementation")
+    webhook_secret: str | None = Field(None, description="HMAC key for webhook signatures")
+    webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
+    webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")
+    webhook_backoff_s: float = Field(1.0, gt=0, description="first retry delay; doubles each attempt")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="timeout of one webhook attempt")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body the API accepts")
+
+    def resolved_data_dir(self) -> Path:
+        """The data directory, expanded and created."""
+        path = self.data_dir.expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def resolved_database_url(self) -> str:
+        """The job store URL, defaulting to a SQLite file in the data directory."""
+        return self.database_url or f"sqlite:///{self.resolved_data_dir() / 'pagedserve.db'}"
+
+    def resolved_webhook_secret(self) -> str:
+        """The webhook HMAC key; generated once into the data directory when not configured."""
+        if self.webhook_secret:
+            return self.webhook_secret
+        path = self.resolved_data_dir() / "webhook-secret"
+        if not path.exists():
+            path.touch(mode=0o600)
+            path.write_text(secrets.token_hex(32))
+        return path.read_text().strip()
+
+
+_override: Settings | None = None
+
+
+@lru_cache(maxsize=1)
+def _from_env() -> Settings:
+    return Settings()
+
+
+def get_settings() -> Settings:
+    """The process-wide settings: the configured object, else one read from the environment."""
+    return _override or _from_env()
+
+
+def configure(settings: Settings | None) -> None:
+    """Install settings for this process (CLI flags, tests); None goes back to the environment."""
+    global _override
+    _override = settings
+    _from_env.cache_clear()

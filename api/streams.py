@@ -1,0 +1,68 @@
+"""Redis connections and the per-job event stream that carries tokens from workers to SSE clients."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from api.settings import get_settings
+
+EVENTS_TTL_S = 24 * 3600
+FINISHED_EVENTS_TTL_S = 3600
+CANCEL_TTL_S = 3600
+
+
+@lru_cache(maxsize=8)
+def _sync_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True, health_check_interval=30)
+
+
+def redis_client() -> redis.Redis:
+    """The process's Redis client for the configured URL."""
+    return _sync_client(get_settings().redis_url)
+
+
+def async_redis_client() -> aioredis.Redis:
+    """A new asyncio Redis client (one per event loop user; close it when done)."""
+    return aioredis.Redis.from_url(get_settings().redis_url, decode_responses=True)
+
+
+def key(*parts: str) -> str:
+    """A Redis key under the configured prefix."""
+    return get_settings().redis_key_prefix + ":".join(parts)
+
+
+def events_key(job_id: str) -> str:
+    """The Redis stream holding a job's events (tokens, then one final event)."""
+    return key("job", job_id, "events")
+
+
+def cancel_key(job_id: str) -> str:
+    """The Redis flag telling a worker to abort a running job."""
+    return key("cancel", job_id)
+
+
+def publish_tokens(client: redis.Redis, job_id: str, deltas: list[dict[str, Any]]) -> None:
+    """Append token deltas ({index, text, token_ids}) to a job's event stream."""
+    pipe = client.pipeline(transaction=False)
+    for delta in deltas:
+        pipe.xadd(events_key(job_id), {"type": "token", "data": json.dumps(delta)})
+    pipe.expire(events_key(job_id), EVENTS_TTL_S)
+    pipe.execute()
+
+
+def publish_final(client: redis.Redis, job_id: str, status: str) -> None:
+    """Close a job's event stream with its final status."""
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd(events_key(job_id), {"type": "final", "data": json.dumps({"status": status})})
+    pipe.expire(events_key(job_id), FINISHED_EVENTS_TTL_S)
+    pipe.execute()
+
+
+def request_cancel(client: redis.Redis, job_id: str) -> None:
+    """Flag a job so that the worker running it aborts it."""
+    client.set(cancel_key(job_id), "1", ex=CANCEL_TTL_S)
