@@ -1,0 +1,91 @@
+"""Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
+
+Interpreter time grows with (programs x loop iterations), so the cases stay tiny.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before any @triton.jit body is defined, i.e. before kernels.triton_ops loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass(slots=True)
+class PagedCase:
+    """A random paged KV cache and the block tables of a few sequences."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    num_heads: int
+
+
+def build_case(
+    context_lens: list[int],
+    num_heads: int = 6,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    spare_blocks: int = 3,
+) -> PagedCase:
+    """Scatter each sequence's blocks randomly over the cache; pad tables with -1 and extra
+    columns (``spare_blocks`` past the longest context) that the kernels must not read."""
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=device).to(dtype)
+    value_cache = torch.randn(shape, device=device).to(dtype)
+    permutation = torch.randperm(num_blocks).tolist()
+    width = max(blocks_per_seq) + spare_blocks
+    block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
+    for row, count in enumerate(blocks_per_seq):
+        block_tables[row, :count] = torch.tensor(permutation[:count])
+        permutation = permutation[count:]
+    return PagedCase(
+        key_cache,
+        value_cache,
+        block_tables.to(device),
+        torch.tensor(context_lens, dtype=torch.int32, device=device),
+        num_heads,
+    )
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal within the tolerance of the inputs' dtype (fp32 accumulation on both sides)."""
+    tolerance = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def make_case() -> Callable[..., PagedCase]:
+    """The ``build_case`` factory."""
+    return build_case
+
+
+@pytest.fixture
+def assert_matches() -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The ``assert_close`` check."""
+    return assert_close
+
+
+@pytest.fixture(scope="session")
+def triton_ops() -> ModuleType:
+    """The Triton backend module (interpreted on CPU-only machines)."""
+    from kernels import triton_ops
+
+    return triton_ops
