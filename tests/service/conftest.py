@@ -16,6 +16,7 @@ from api import migrate
 from api.auth import create_api_key
 from api.db import session_factory
 from api.settings import Settings, configure
+from receiver import WebhookReceiver
 
 PG_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS_BASE_URL = "redis://127.0.0.1:6379"
@@ -122,3 +123,11 @@ def new_auth_headers(service_settings: Settings) -> Callable[[str], dict[str, st
 def auth_headers(service_settings: Settings) -> dict[str, str]:
     """Authorization headers of an API key made for this module."""
     return _new_auth_headers()
+
+
+@pytest.fixture
+def webhook_receiver() -> Iterator[WebhookReceiver]:
+    """A running local webhook receiver."""
+    receiver = WebhookReceiver().start()
+    yield receiver
+    receiver.stop()

@@ -1,0 +1,78 @@
+"""Server-sent events: tokens from the job's Redis stream as they come, then the final job."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from fastapi.testclient import TestClient
+
+from api import streams
+from api.db import session_factory
+from api.lifecycle import transition
+from api.models import JobStatus
+
+
+def _parse(body: str) -> list[tuple[str, dict]]:
+    events = []
+    for block in body.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if not line.startswith(":"))
+        if "event" in fields:
+            events.append((fields["event"], json.loads(fields["data"])))
+    return events
+
+
+def _generate(job_id: str, pieces: list[tuple[str, list[int]]], delay_s: float) -> None:
+    with session_factory()() as session:
+        transition(session, job_id, JobStatus.running, {JobStatus.queued})
+    for text, ids in pieces:
+        time.sleep(delay_s)
+        streams.publish_tokens(streams.redis_client(), job_id, [{"index": 0, "text": text, "token_ids": ids}])
+    output = [{"index": 0, "text": "".join(t for t, _ in pieces), "token_ids": [i for _, ids in pieces for i in ids],
+               "finish_reason": "length"}]
+    with session_factory()() as session:
+        transition(session, job_id, JobStatus.succeeded, {JobStatus.running}, output=output, completion_tokens=3)
+
+
+def _submit(client: TestClient, headers: dict[str, str]) -> str:
+    return client.post("/v1/jobs", json={"prompt": "stream me"}, headers=headers).json()["id"]
+
+
+def test_events_stream_tokens_live_then_the_final_job(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    pieces = [("Hel", [1]), ("lo", [2]), ("!", [3])]
+    producer = threading.Thread(target=_generate, args=(job_id, pieces, 0.1))
+    producer.start()
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth_headers) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _parse(response.read().decode())
+    producer.join()
+    tokens = [data for name, data in events if name == "token"]
+    assert "".join(t["text"] for t in tokens) == "Hello!" and [i for t in tokens for i in t["token_ids"]] == [1, 2, 3]
+    assert events[-1][0] == "done" and events[-1][1]["status"] == "succeeded" and events[-1][1]["text"] == "Hello!"
+
+
+def test_events_after_the_job_finished_replay_everything(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    _generate(job_id, [("a", [5]), ("b", [6])], 0.0)
+    events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
+    assert [name for name, _ in events] == ["token", "token", "done"]
+
+
+def test_events_fall_back_to_the_stored_output_when_the_stream_is_gone(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    job_id = _submit(client, auth_headers)
+    _generate(job_id, [("xy", [7, 8])], 0.0)
+    streams.redis_client().delete(streams.events_key(job_id))
+    events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
+    assert events[0] == ("token", {"index": 0, "text": "xy", "token_ids": [7, 8]})
+    assert events[-1][0] == "done"
+
+
+def test_events_of_a_cancelled_queued_job_end_at_once(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    client.post(f"/v1/jobs/{job_id}/cancel", headers=auth_headers)
+    events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
+    assert [(name, data["status"]) for name, data in events] == [("done", "cancelled")]

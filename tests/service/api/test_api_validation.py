@@ -1,0 +1,84 @@
+"""Every bad input is refused with a 4xx whose message names the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.webhook_urls import check_webhook_url
+
+BAD_BODIES: list[tuple[dict[str, Any], str]] = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "n": 1000}, "n"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "priority": 10**6}, "priority"),
+    ({"prompt": "x", "metadata": {"nested": {"a": 1}}}, "metadata"),
+    ({"prompt": "x", "colour": "blue"}, "colour"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt or messages"),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "prompt or messages"),
+    ({"messages": [{"role": "wizard", "content": "y"}]}, "messages.0.role"),
+    ({"prompt": "fox " * 100, "max_tokens": 64}, "prompt"),
+    ({"prompt": "x", "webhook_url": "ftp://example.com/hook"}, "webhook_url"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_BODIES, ids=[field for _, field in BAD_BODIES])
+def test_bad_job_body_is_422_naming_the_field(
+    client: TestClient, auth_headers: dict[str, str], body: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/jobs", json=body, headers=auth_headers)
+    assert response.status_code == 422, response.text
+    assert field in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(client: TestClient, auth_headers: dict[str, str], literal: str) -> None:
+    body = '{"prompt": "x", "temperature": %s}' % literal
+    response = client.post("/v1/jobs", content=body, headers={**auth_headers, "Content-Type": "application/json"})
+    assert response.status_code == 422 and "temperature" in response.json()["error"]["message"]
+
+
+def test_invalid_json_is_422(client: TestClient, auth_headers: dict[str, str]) -> None:
+    headers = {**auth_headers, "Content-Type": "application/json"}
+    response = client.post("/v1/jobs", content=b'{"prompt": "x",', headers=headers)
+    assert response.status_code == 422 and "JSON" in response.json()["error"]["message"]
+
+
+def test_invalid_utf8_is_422(client: TestClient, auth_headers: dict[str, str]) -> None:
+    headers = {**auth_headers, "Content-Type": "application/json"}
+    response = client.post("/v1/jobs", content=b'{"prompt": "\xff\xfe"}', headers=headers)
+    assert 400 <= response.status_code < 500
+
+
+def test_oversize_body_is_413(client: TestClient, auth_headers: dict[str, str]) -> None:
+    response = client.post("/v1/jobs", json={"prompt": "x" * 100_000}, headers=auth_headers)
+    assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
+
+
+def test_bad_list_parameters_are_422(client: TestClient, auth_headers: dict[str, str]) -> None:
+    assert client.get("/v1/jobs", params={"status": "sleeping"}, headers=auth_headers).status_code == 422
+    assert client.get("/v1/jobs", params={"limit": 0}, headers=auth_headers).status_code == 422
+    response = client.get("/v1/jobs", params={"cursor": "not-a-cursor"}, headers=auth_headers)
+    assert response.status_code == 422 and response.json()["error"]["field"] == "cursor"
+
+
+def test_unknown_job_is_404(client: TestClient, auth_headers: dict[str, str]) -> None:
+    response = client.get("/v1/jobs/job_doesnotexist", headers=auth_headers)
+    assert response.status_code == 404 and response.json()["error"]["field"] == "job_id"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/hook", "http://10.1.2.3/hook", "http://[::1]/hook", "http://localhost/"])
+def test_private_webhook_targets_are_refused_unless_allowed(url: str) -> None:
+    with pytest.raises(ValueError, match="non-public"):
+        check_webhook_url(url, allow_private=False)
+    check_webhook_url(url, allow_private=True)

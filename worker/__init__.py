@@ -1,0 +1,1 @@
+"""pagedserve workers: the Celery app and tasks, the per-process engine service, webhook delivery."""

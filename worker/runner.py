@@ -1,0 +1,136 @@
+"""Runs one job: claim it in the store, feed it to the engine service, stream its tokens, record the result."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import update
+
+from api import streams
+from api.db import session_factory
+from api.errors import log_event
+from api.lifecycle import transition
+from api.models import Job, JobStatus, utcnow
+from worker import heartbeat
+from worker.engine_service import EngineService
+
+logger = logging.getLogger("pagedserve.worker")
+CANCEL_POLL_S = 0.2
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What a job has streamed so far, per completion index."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    token_counts: dict[int, int] = field(default_factory=dict)
+    first_token_seen: bool = False
+
+    def deltas(self, output: Any) -> list[dict[str, Any]]:
+        """New text and token ids since the last output, one entry per completion that grew."""
+        deltas = []
+        for completion in output.outputs:
+            text_seen = len(self.texts.get(completion.index, ""))
+            tokens_seen = self.token_counts.get(completion.index, 0)
+            if len(completion.token_ids) > tokens_seen or len(completion.text) > text_seen:
+                deltas.append({
+                    "index": completion.index,
+                    "text": completion.text[text_seen:],
+                    "token_ids": list(completion.token_ids[tokens_seen:]),
+                })
+            self.texts[completion.index] = completion.text
+            self.token_counts[completion.index] = len(completion.token_ids)
+        return deltas
+
+
+def _claimable_from(job: Job) -> set[JobStatus]:
+    # A running job is claimed again only when the worker that held it is gone (it died mid-job and
+    # Celery redelivered the message); a live holder keeps it, so a job never runs twice at once.
+    if job.status is JobStatus.running and job.worker_id and not heartbeat.is_alive(job.worker_id):
+        return {JobStatus.running}
+    return {JobStatus.queued}
+
+
+def _claim(job_id: str) -> Job | None:
+    with session_factory()() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            log_event(logger, "job.missing", job_id=job_id)
+            return None
+        return transition(
+            session, job_id, JobStatus.running, _claimable_from(job),
+            started_at=utcnow(), first_token_at=None, attempts=job.attempts + 1,
+            worker_id=heartbeat.worker_id(), output=None, error=None,
+        )
+
+
+def _choices(output: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": c.index,
+            "text": c.text,
+            "token_ids": list(c.token_ids),
+            "finish_reason": c.finish_reason,
+            "logprobs": [{str(k): v for k, v in step.items()} for step in c.logprobs] if c.logprobs else None,
+        }
+        for c in output.outputs
+    ]
+
+
+def _finish(job_id: str, to: JobStatus, **fields: Any) -> None:
+    with session_factory()() as session:
+        if transition(session, job_id, to, {JobStatus.running}, **fields) is None:
+            log_event(logger, "job.result_dropped", job_id=job_id, reason="no longer running (cancelled)")
+
+
+def _mark_first_token(job_id: str) -> None:
+    with session_factory()() as session:
+        session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.running).values(first_token_at=utcnow()))
+        session.commit()
+
+
+def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> None:
+    """Run a job to a final state; a job that is not claimable (done, cancelled, held by a live worker) is skipped."""
+    job = _claim(job_id)
+    if job is None:
+        return
+    try:
+        params = sampling_params_cls(**job.params)
+    except (TypeError, ValueError) as exc:
+        _finish(job_id, JobStatus.failed, error=f"invalid sampling parameters: {exc}")
+        return
+    request_id = f"{job_id}#{job.attempts}"
+    handle = service.submit(request_id, job.prompt, params, job.priority)
+    redis = streams.redis_client()
+    progress = _Progress()
+    next_cancel_check = 0.0
+    while True:
+        if time.monotonic() >= next_cancel_check:
+            if redis.exists(streams.cancel_key(job_id)):
+                service.abort(request_id)
+                log_event(logger, "job.aborted", job_id=job_id, request_id=request_id)
+                return
+            next_cancel_check = time.monotonic() + CANCEL_POLL_S
+        try:
+            item = handle.outputs.get(timeout=CANCEL_POLL_S)
+        except queue.Empty:
+            continue
+        if isinstance(item, Exception):
+            _finish(job_id, JobStatus.failed, error=str(item))
+            return
+        deltas = progress.deltas(item)
+        if deltas:
+            streams.publish_tokens(redis, job_id, deltas)
+            if not progress.first_token_seen:
+                progress.first_token_seen = True
+                _mark_first_token(job_id)
+        if item.finished:
+            choices = _choices(item)
+            completion_tokens = sum(len(c["token_ids"]) for c in choices)
+            _finish(job_id, JobStatus.succeeded, output=choices, completion_tokens=completion_tokens,
+                    prompt_tokens=len(item.prompt_token_ids))
+            return

@@ -1,0 +1,56 @@
+"""The process-wide engine service, built once from the settings (this is where torch gets imported)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from api.errors import log_event
+from api.settings import Settings, get_settings
+from worker import heartbeat
+from worker.engine_service import EngineService
+
+logger = logging.getLogger("pagedserve.worker")
+_lock = threading.Lock()
+_service: EngineService | None = None
+
+
+def engine_kwargs(settings: Settings) -> dict[str, Any]:
+    """LLMEngine keyword arguments from the service settings (unset ones keep the engine's defaults)."""
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "block_size": settings.block_size,
+        "swap_space": settings.swap_space,
+        "max_num_seqs": settings.max_num_seqs,
+        "preemption_mode": settings.preemption_mode,
+        "scheduling_policy": "priority",
+    }
+    if settings.kv_cache_memory:
+        kwargs["kv_cache_memory"] = settings.kv_cache_memory
+    if settings.attention_backend:
+        kwargs["attention_backend"] = settings.attention_backend
+    return kwargs
+
+
+def engine_service() -> EngineService:
+    """This process's engine service, loading the model on first use."""
+    global _service
+    with _lock:
+        if _service is None:
+            from engine import LLMEngine
+
+            settings = get_settings()
+            engine = LLMEngine.from_kwargs(**engine_kwargs(settings))
+            _service = EngineService(engine, on_stats=heartbeat.beat).start()
+            log_event(logger, "engine.ready", model=settings.model, worker_id=heartbeat.worker_id(),
+                      max_model_len=engine.max_model_len)
+        return _service
+
+
+def sampling_params_class() -> type:
+    """The engine's SamplingParams class."""
+    from engine import SamplingParams
+
+    return SamplingParams

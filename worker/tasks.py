@@ -1,0 +1,34 @@
+"""Celery tasks: each takes an id and does its work against the store; the engine lives in the engine service."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from api.lifecycle import transition
+from api.db import session_factory
+from api.models import JobStatus
+from api.queue import DELIVER_WEBHOOK_TASK, RUN_JOB_TASK
+from worker import webhooks
+from worker.runner import run_job as run_job_in_engine
+from worker.service import engine_service, sampling_params_class
+
+logger = logging.getLogger("pagedserve.worker")
+
+
+@shared_task(name=RUN_JOB_TASK)
+def run_job(job_id: str) -> None:
+    """Run one job in this process's engine service."""
+    try:
+        run_job_in_engine(job_id, engine_service(), sampling_params_class())
+    except Exception as exc:  # record the failure rather than leave the job running forever
+        logger.exception("job.failed_unexpectedly job_id=%s", job_id)
+        with session_factory()() as session:
+            transition(session, job_id, JobStatus.failed, {JobStatus.running}, error=f"internal error: {exc!r}")
+
+
+@shared_task(name=DELIVER_WEBHOOK_TASK)
+def deliver_webhook(delivery_id: str) -> None:
+    """Make one attempt of a webhook delivery."""
+    webhooks.deliver(delivery_id)
