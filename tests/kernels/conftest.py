@@ -13,12 +13,20 @@ from types import ModuleType
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+CUDA = torch.cuda.is_available()
+if not CUDA:
     # Must be set before any @triton.jit body is defined, i.e. before kernels.triton_ops loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 
+# On a CUDA machine every kernel test runs compiled on the GPU; elsewhere interpreted on the CPU.
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="kernels run compiled on CUDA")),
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+    ),
+]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
@@ -69,6 +77,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Equal within the tolerance of the inputs' dtype (fp32 accumulation on both sides)."""
     tolerance = TOLERANCE[expected.dtype]
     torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """Where the kernels under test run."""
+    return request.param
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ SCALE = 0.125
 def run_both(triton_ops, case, dtype: torch.dtype = torch.float32):
     """Decode one random query per sequence with both backends."""
     head_dim = case.key_cache.shape[3]
-    query = torch.randn(len(case.context_lens), case.num_heads, head_dim).to(dtype)
+    query = torch.randn(len(case.context_lens), case.num_heads, head_dim)
+    query = query.to(device=case.key_cache.device, dtype=dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens, SCALE)
     return triton_ops.paged_attention_decode(*args), reference.paged_attention_decode(*args)
 
@@ -21,53 +22,55 @@ def run_both(triton_ops, case, dtype: torch.dtype = torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_decode_matches_reference_for_every_head_dim(
-    triton_ops, make_case, assert_matches, head_dim, dtype
+    triton_ops, make_case, assert_matches, device, head_dim, dtype
 ):
     # Context 1, a partial last block, and an exactly full block; tables padded with -1.
-    case = make_case([1, 21, 32], head_dim=head_dim, dtype=dtype)
+    case = make_case([1, 21, 32], head_dim=head_dim, dtype=dtype, device=device)
     assert_matches(*run_both(triton_ops, case, dtype))
 
 
-def test_decode_accepts_fp16(triton_ops, make_case, assert_matches):
-    case = make_case([5, 40], dtype=torch.float16)
+def test_decode_accepts_fp16(triton_ops, make_case, assert_matches, device):
+    case = make_case([5, 40], dtype=torch.float16, device=device)
     assert_matches(*run_both(triton_ops, case, torch.float16))
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1), (16, 2)])
 def test_decode_matches_reference_for_gqa_ratios(
-    triton_ops, make_case, assert_matches, num_heads, num_kv_heads
+    triton_ops, make_case, assert_matches, device, num_heads, num_kv_heads
 ):
-    case = make_case([3, 30], num_heads=num_heads, num_kv_heads=num_kv_heads)
+    case = make_case([3, 30], num_heads=num_heads, num_kv_heads=num_kv_heads, device=device)
     assert_matches(*run_both(triton_ops, case))
 
 
 @pytest.mark.parametrize("block_size", [8, 32, 128])
 def test_decode_matches_reference_for_block_sizes(
-    triton_ops, make_case, assert_matches, block_size
+    triton_ops, make_case, assert_matches, device, block_size
 ):
-    case = make_case([1, block_size + 3, 70], block_size=block_size)
+    case = make_case([1, block_size + 3, 70], block_size=block_size, device=device)
     assert_matches(*run_both(triton_ops, case))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_merges_partitions_of_long_contexts(
-    triton_ops, make_case, assert_matches, monkeypatch, dtype
+    triton_ops, make_case, assert_matches, device, monkeypatch, dtype
 ):
     # 64-token partitions: contexts of 1 to 4 partitions, ending on and off partition edges.
     monkeypatch.setattr(triton_decode, "PARTITION_SIZE", 64)
-    case = make_case([1, 64, 65, 200], block_size=8, dtype=dtype)
+    case = make_case([1, 64, 65, 200], block_size=8, dtype=dtype, device=device)
     assert_matches(*run_both(triton_ops, case, dtype))
 
 
-def test_decode_reads_a_block_table_padded_with_garbage(triton_ops, make_case, assert_matches):
-    case = make_case([9, 17])
+def test_decode_reads_a_block_table_padded_with_garbage(
+    triton_ops, make_case, assert_matches, device
+):
+    case = make_case([9, 17], device=device)
     case.block_tables[0, 1:] = 10_000  # past the cache, but past the context too
     assert_matches(*run_both(triton_ops, case))
 
 
-def test_decode_of_an_empty_batch_is_empty(triton_ops, make_case):
-    case = make_case([4])
-    query = torch.randn(0, case.num_heads, 64)
+def test_decode_of_an_empty_batch_is_empty(triton_ops, make_case, device):
+    case = make_case([4], device=device)
+    query = torch.randn(0, case.num_heads, 64, device=device)
     out = triton_ops.paged_attention_decode(
         query, case.key_cache, case.value_cache, case.block_tables[:0], case.context_lens[:0], SCALE
     )

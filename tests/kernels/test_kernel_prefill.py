@@ -13,8 +13,10 @@ SCALE = 0.125
 def run_both(triton_ops, case, num_queries: list[int], dtype: torch.dtype = torch.float32):
     """Attend ``num_queries[i]`` new tokens (the last of each context) with both backends."""
     head_dim = case.key_cache.shape[3]
-    starts = torch.tensor([0, *num_queries], dtype=torch.int32).cumsum(0).to(torch.int32)
-    query = torch.randn(int(starts[-1]), case.num_heads, head_dim).to(dtype)
+    device = case.key_cache.device
+    starts = torch.tensor([0, *num_queries], device=device).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), case.num_heads, head_dim)
+    query = query.to(device=device, dtype=dtype)
     args = (
         query, case.key_cache, case.value_cache, case.block_tables, starts, case.context_lens,
         SCALE,
@@ -25,32 +27,32 @@ def run_both(triton_ops, case, num_queries: list[int], dtype: torch.dtype = torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_prefill_matches_reference_for_every_head_dim(
-    triton_ops, make_case, assert_matches, head_dim, dtype
+    triton_ops, make_case, assert_matches, device, head_dim, dtype
 ):
     # A one-token prompt, a whole prompt, and new tokens after a cached prefix.
-    case = make_case([1, 21, 45], head_dim=head_dim, dtype=dtype)
+    case = make_case([1, 21, 45], head_dim=head_dim, dtype=dtype, device=device)
     assert_matches(*run_both(triton_ops, case, [1, 21, 6], dtype))
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (8, 1)])
 def test_prefill_matches_reference_for_gqa_ratios(
-    triton_ops, make_case, assert_matches, num_heads, num_kv_heads
+    triton_ops, make_case, assert_matches, device, num_heads, num_kv_heads
 ):
-    case = make_case([7, 19], num_heads=num_heads, num_kv_heads=num_kv_heads)
+    case = make_case([7, 19], num_heads=num_heads, num_kv_heads=num_kv_heads, device=device)
     assert_matches(*run_both(triton_ops, case, [7, 4]))
 
 
 @pytest.mark.parametrize("block_size", [8, 128])
 def test_prefill_matches_reference_for_block_sizes(
-    triton_ops, make_case, assert_matches, block_size
+    triton_ops, make_case, assert_matches, device, block_size
 ):
-    case = make_case([13, 30], block_size=block_size)
+    case = make_case([13, 30], block_size=block_size, device=device)
     assert_matches(*run_both(triton_ops, case, [13, 9]))
 
 
 def test_prefill_spans_several_row_tiles_and_skips_empty_sequences(
-    triton_ops, make_case, assert_matches
+    triton_ops, make_case, assert_matches, device
 ):
     # 70 queries need three 32-row programs; the middle sequence has no new tokens.
-    case = make_case([80, 12, 70], num_heads=2, num_kv_heads=1)
+    case = make_case([80, 12, 70], num_heads=2, num_kv_heads=1, device=device)
     assert_matches(*run_both(triton_ops, case, [70, 0, 70]))

@@ -1,0 +1,40 @@
+"""Compiled kernels at serving sizes: long contexts, many partitions, big prefill chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_decode_over_long_uneven_contexts(triton_ops, make_case, assert_matches, dtype):
+    case = make_case(
+        [1, 511, 512, 513, 3000, 8191], num_heads=32, num_kv_heads=8, head_dim=128,
+        dtype=dtype, device="cuda",
+    )
+    query = torch.randn(6, 32, 128, device="cuda", dtype=dtype)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens, 0.088)
+    assert_matches(triton_ops.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_chunks_after_long_cached_prefixes(triton_ops, make_case, assert_matches, dtype):
+    case = make_case(
+        [700, 2048, 300], num_heads=16, num_kv_heads=4, head_dim=128, dtype=dtype, device="cuda"
+    )
+    starts = torch.tensor([0, 200, 712, 1012], dtype=torch.int32, device="cuda")
+    query = torch.randn(1012, 16, 128, device="cuda", dtype=dtype)
+    args = (
+        query, case.key_cache, case.value_cache, case.block_tables, starts, case.context_lens,
+        0.088,
+    )
+    assert_matches(
+        triton_ops.paged_prefill_attention(*args), reference.paged_prefill_attention(*args)
+    )
