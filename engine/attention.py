@@ -1,0 +1,60 @@
+"""Paged attention layer: writes the step's K/V into cache slots, then reads via block tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout of the flattened batch; the first ``num_decode_tokens`` rows are decodes."""
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+    prefill_context_lens: torch.Tensor
+
+    @property
+    def has_prefill(self) -> bool:
+        """True when some sequence computes more than one token this step."""
+        return self.prefill_context_lens.numel() > 0
+
+
+class PagedAttention:
+    """Attention over the paged KV cache of one layer, dispatched to a kernel backend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: ModuleType) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.ops = ops
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``query [T, H, D]``, ``key/value [T, KV, D]`` → attention output ``[T, H, D]``."""
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if not meta.has_prefill:
+            return self.ops.paged_attention_decode(
+                query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
+        prefill = self.ops.paged_prefill_attention(
+            query[num_decode:], key_cache, value_cache, meta.prefill_block_tables,
+            meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
+        )
+        if num_decode == 0:
+            return prefill
+        decode = self.ops.paged_attention_decode(
+            query[:num_decode], key_cache, value_cache, meta.decode_block_tables,
+            meta.decode_context_lens, self.scale,
+        )
+        return torch.cat([decode, prefill])

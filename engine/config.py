@@ -1,0 +1,114 @@
+"""Engine configuration: one validated object built from the ``LLM`` keyword arguments."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+PREEMPTION_MODES = ("swap", "recompute")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def parse_bytes(value: int | str, name: str) -> int:
+    """Parse a byte count given as an int or a string such as ``"256MiB"`` or ``"1.5GB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a byte count like 268435456 or '256MiB', got {value!r}")
+    if isinstance(value, int):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _BYTE_UNITS:
+            raise ValueError(f"{name} must be a byte count like 268435456 or '256MiB', got {value!r}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    result = int(number * _BYTE_UNITS[unit])
+    if result < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value!r}")
+    return result
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """Pick the weights dtype; ``auto`` is bf16 where it is fast (CUDA, CPUs with bf16) else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or _cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to size its cache and batch its work."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: int | str = "1GiB"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    preemption_mode: str = "swap"
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01
+    seed: int = 0
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be an integer between 1 and 256, got {self.block_size!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens is not None and (
+            not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        self.swap_space = parse_bytes(self.swap_space, "swap_space")
+
+    def torch_device(self) -> torch.device:
+        """The device the model and KV cache live on (``auto``: CUDA when available)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,309 @@
+"""The long-lived engine: add requests, step the batch, get outputs; used by ``LLM`` and workers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.cache_engine import CacheEngine, default_kv_cache_bytes, kv_block_bytes
+from engine.config import EngineConfig, resolve_dtype
+from engine.detokenizer import decode_new_text, find_stop_string, start_offsets
+from engine.model_files import resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_model
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampler import SamplingRow, sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.stats import EngineStats
+from kernels import select_backend
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOKEN_BUDGET = 2048
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class LLMEngine:
+    """Holds the model, the paged KV cache and the scheduler; each ``step`` runs one batch."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.ops = select_backend(self.device, config.attention_backend)
+        folder = resolve_model(config.model)
+        self.model_name = config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = load_model(folder, self.dtype, self.device, self.ops)
+        model_config = self.model.config
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.eos_token_ids = self._eos_token_ids(folder, GenerationConfig)
+        self._init_cache()
+        token_budget = config.max_num_batched_tokens or (
+            DEFAULT_TOKEN_BUDGET if config.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, self.max_model_len)
+        )
+        self.scheduler = Scheduler(config, self.block_manager, max(token_budget, config.max_num_seqs))
+        self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.device)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+        self._aborted: list[SequenceGroup] = []
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s blocks=%d cpu_blocks=%d block_size=%d",
+            self.model_name, self.dtype, self.device, self.num_gpu_blocks, self.num_cpu_blocks, config.block_size,
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        """Build an engine from ``EngineConfig`` keyword arguments."""
+        return cls(EngineConfig(**kwargs))
+
+    def _eos_token_ids(self, folder: Any, generation_config_cls: Any) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            ids.update([value] if isinstance(value, int) else value or [])
+        try:
+            value = generation_config_cls.from_pretrained(folder).eos_token_id
+            ids.update([value] if isinstance(value, int) else value or [])
+        except OSError:
+            pass
+        return ids
+
+    def _init_cache(self) -> None:
+        cfg = self.config
+        model = self.model
+        block_bytes = kv_block_bytes(len(model.layers), cfg.block_size, model.num_kv_heads, model.head_dim, self.dtype)
+        budget = cfg.kv_cache_memory
+        if budget is None:
+            budget = default_kv_cache_bytes(self.device, cfg.gpu_memory_utilization)
+        self.num_gpu_blocks = int(budget) // block_bytes
+        self.num_cpu_blocks = int(cfg.swap_space) // block_bytes
+        if self.num_gpu_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds {self.num_gpu_blocks} blocks of {block_bytes} bytes; "
+                "at least 2 are needed"
+            )
+        self.block_manager = BlockManager(
+            cfg.block_size, self.num_gpu_blocks, self.num_cpu_blocks, cfg.watermark, cfg.enable_prefix_caching
+        )
+        self.cache = CacheEngine(
+            len(model.layers), self.num_gpu_blocks, self.num_cpu_blocks, cfg.block_size,
+            model.num_kv_heads, model.head_dim, self.dtype, self.device, self.ops,
+        )
+
+    # ---- requests ------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return None, list(prompt)
+
+    def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
+        if num_prompt == 0:
+            raise ValueError("prompt must not be empty")
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        block_size = self.config.block_size
+        worst_case = _cdiv(num_prompt, block_size) + params.n * (_cdiv(params.max_tokens, block_size) + 1)
+        usable = self.num_gpu_blocks - self.block_manager.watermark_blocks
+        if worst_case > usable:
+            raise ValueError(
+                f"request needs up to {worst_case} KV blocks but kv_cache_memory holds {usable}; "
+                "raise kv_cache_memory or lower max_tokens / n"
+            )
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
+    ) -> None:
+        """Queue a request; raises ``ValueError`` on bad input or a request that can never fit."""
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_fits(len(token_ids), params)
+        group = SequenceGroup.create(request_id, text, token_ids, params, priority)
+        if group.generator is None:
+            group.generator = self.generator
+        start_offsets(group.seqs[0])
+        self.groups[request_id] = group
+        self.scheduler.add(group)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its last output reports ``abort``."""
+        group = self.groups.get(request_id)
+        if group is None or group.is_finished:
+            return
+        self.scheduler.remove(group)
+        for seq in group.unfinished_seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        group.finished_time = time.monotonic()
+        self._aborted.append(group)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting, running or swapped out."""
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, move blocks, run the model once, sample; outputs of requests that changed."""
+        out = self.scheduler.schedule()
+        # swap-out before swap-in and copies: a block freed by swap-out may be refilled below
+        self.cache.swap_out(out.blocks_to_swap_out)
+        self.cache.swap_in(out.blocks_to_swap_in)
+        self.cache.copy(out.blocks_to_copy)
+        touched = {group.request_id: group for group in self._aborted}
+        self._aborted = []
+        if out.scheduled:
+            self.num_steps += 1
+            logits, sampled = self.runner.execute(out.scheduled)
+            now = time.monotonic()
+            for item in out.scheduled:
+                seq = item.seq
+                self.prompt_tokens += max(0, min(seq.prompt_len, seq.num_computed_tokens + item.num_new_tokens)
+                                          - seq.num_computed_tokens)
+                seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.register_computed_blocks(seq)
+                if item.group.first_scheduled_time is None:
+                    item.group.first_scheduled_time = now
+                touched[item.group.request_id] = item.group
+            self._append_samples(logits, sampled)
+        return [self._output(group) for group in touched.values()]
+
+    def _sampling_row(self, group: SequenceGroup, seq: Sequence) -> SamplingRow:
+        params = group.params
+        suppressed: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        return SamplingRow(params, group.generator, seq.token_ids[: seq.prompt_len], seq.output_token_ids, suppressed)
+
+    def _append_samples(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> None:
+        row_of_logits: list[int] = []
+        targets: list[tuple[SequenceGroup, Sequence]] = []
+        for i, item in enumerate(sampled):
+            group, seq = item.group, item.seq
+            seqs = [seq]
+            if group.awaits_fork:  # the prompt is computed once; n samples share its blocks
+                for _ in range(group.params.n - 1):
+                    child = seq.fork()
+                    self.block_manager.fork(seq, child)
+                    group.seqs.append(child)
+                    seqs.append(child)
+            for target in seqs:
+                row_of_logits.append(i)
+                targets.append((group, target))
+        rows = [self._sampling_row(group, seq) for group, seq in targets]
+        results = sample(logits[row_of_logits], rows)
+        now = time.monotonic()
+        for (group, seq), result in zip(targets, results):
+            self._append_token(group, seq, result.token_id, result.logprobs, now)
+
+    def _append_token(
+        self, group: SequenceGroup, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float
+    ) -> None:
+        seq.token_ids.append(token)
+        self.generation_tokens += 1
+        if group.first_token_time is None:
+            group.first_token_time = now
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        reason = self._finish_reason(group, seq, token)
+        if reason is None:
+            return
+        if reason != "stop_string":
+            decode_new_text(self.tokenizer, seq, final=True)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "stop" if reason == "stop_string" else reason
+        self.scheduler.free_seq(seq)
+        if group.is_finished:
+            group.finished_time = now
+            self.scheduler.running.remove(group)
+
+    def _finish_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
+        params = group.params
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
+            return "stop"
+        delta = decode_new_text(self.tokenizer, seq)
+        if may_stop and params.stop and delta:
+            index = find_stop_string(seq.text, len(delta), params.stop)
+            if index is not None:
+                seq.text = seq.text[:index]
+                return "stop_string"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        want_logprobs = group.params.logprobs is not None
+        outputs = [
+            CompletionOutput(
+                index=i, text=seq.text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                logprobs=list(seq.logprobs) if want_logprobs else None, cumulative_logprob=seq.cumulative_logprob,
+            )
+            for i, seq in enumerate(group.seqs)
+        ]
+        finished = group.is_finished
+        if finished:
+            self.groups.pop(group.request_id, None)
+        metrics = RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time, group.finished_time)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics)
+
+    # ---- observability -------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Cache usage and waste, queue sizes and cumulative counters right now."""
+        scheduler, manager = self.scheduler, self.block_manager
+        running = [seq for group in scheduler.running for seq in group.seqs_with_status(SequenceStatus.RUNNING)]
+        usage = manager.usage(running)
+        slots = usage.num_used_blocks * self.config.block_size
+        counters = scheduler.counters
+        num_free_cpu = manager.cpu.num_free_blocks
+        return EngineStats(
+            num_total_blocks=self.num_gpu_blocks,
+            num_free_blocks=manager.num_free_gpu_blocks,
+            num_cached_blocks=usage.num_cached_free_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            num_free_cpu_blocks=num_free_cpu,
+            block_size=self.config.block_size,
+            kv_cache_usage=usage.num_used_blocks / self.num_gpu_blocks,
+            cpu_cache_usage=(1 - num_free_cpu / self.num_cpu_blocks) if self.num_cpu_blocks else 0.0,
+            kv_cache_waste_ratio=(1 - usage.num_filled_slots / slots) if slots else 0.0,
+            num_running=len(running),
+            num_waiting=sum(len(g.unfinished_seqs) for g in scheduler.waiting),
+            num_swapped=sum(len(g.unfinished_seqs) for g in scheduler.swapped),
+            num_preemptions=counters.num_preemptions,
+            num_preemptions_swap=counters.num_preemptions_swap,
+            num_preemptions_recompute=counters.num_preemptions_recompute,
+            num_blocks_swapped_out=counters.num_blocks_swapped_out,
+            num_blocks_swapped_in=counters.num_blocks_swapped_in,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            prefix_cache_queries=manager.num_prefix_queries,
+            prefix_cache_hits=manager.num_prefix_hits,
+            num_steps=self.num_steps,
+        )

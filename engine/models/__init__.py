@@ -1,0 +1,1 @@
+"""Model implementations whose attention reads and writes the paged KV cache."""

@@ -1,0 +1,123 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral-style) over a paged KV cache."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as the reference implementation does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden32 = hidden.float()
+        variance = hidden32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, rotary embedding and paged attention."""
+
+    def __init__(self, config: PretrainedConfig, ops: ModuleType) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, config: PretrainedConfig, ops: ModuleType) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, positions, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder: embeddings, layers, final norm and (possibly tied) LM head."""
+
+    def __init__(self, config: PretrainedConfig, ops: ModuleType) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = self.layers[0].self_attn
+        self.rotary = RotaryEmbedding(config, attn.head_dim)
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` for the flattened batch."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, self.rotary, positions, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[rows, vocab]`` for the selected hidden states."""
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,69 @@
+"""Build a model from a Hugging Face folder: config, then safetensors weights fused into our layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.models.llama import LlamaForCausalLM
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+# fused parameter -> the checkpoint's separate projections, concatenated along the output dim
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def load_config(folder: Path) -> PretrainedConfig:
+    """The model's transformers config, checked to be an architecture we implement."""
+    config = AutoConfig.from_pretrained(folder)
+    architectures = set(getattr(config, "architectures", None) or [])
+    if not architectures & SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model architecture {sorted(architectures)} is not supported; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def _read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {folder} has no .safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return {name.removeprefix("model."): tensor for name, tensor in tensors.items()}
+
+
+def _fuse(checkpoint: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    for layer in range(num_layers):
+        for fused, parts in _FUSED.items():
+            for suffix in ("weight", "bias"):
+                names = [f"layers.{layer}.{part}.{suffix}" for part in parts]
+                if all(name in checkpoint for name in names):
+                    checkpoint[f"layers.{layer}.{fused}.{suffix}"] = torch.cat([checkpoint.pop(n) for n in names])
+    return checkpoint
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: ModuleType) -> LlamaForCausalLM:
+    """Instantiate the model on ``device`` in ``dtype`` with the folder's weights."""
+    config = load_config(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, ops)
+    checkpoint = _fuse(_read_checkpoint(folder), config.num_hidden_layers)
+    if model.tie_word_embeddings:
+        checkpoint.pop("lm_head.weight", None)
+    expected = {name for name, _ in model.named_parameters()}
+    missing = expected - checkpoint.keys()
+    if missing:
+        raise ValueError(f"model folder {folder} lacks weights: {sorted(missing)[:5]}")
+    state = {name: checkpoint[name].to(dtype) for name in expected}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = type(model.rotary)(config, model.head_dim)  # buffers were built on meta
+    return model.to(device).eval()

@@ -1,0 +1,41 @@
+"""What the engine hands back: one ``RequestOutput`` per request, one ``CompletionOutput`` per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence so far (cumulative text and tokens)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (``time.monotonic``) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request after a step (or at the end of ``generate``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    new_token_ids: list[list[int]] = field(default_factory=list)

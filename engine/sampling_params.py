@@ -1,0 +1,116 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request: decoding knobs, stop conditions and outputs wanted."""
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        _require(
+            isinstance(self.n, int) and 1 <= self.n <= MAX_N,
+            f"n must be an integer between 1 and {MAX_N}, got {self.n!r}",
+        )
+        _require(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _require(
+            _is_finite_number(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}",
+        )
+        _require(
+            _is_finite_number(self.top_p) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        _require(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
+        )
+        _require(
+            _is_finite_number(self.min_p) and 0 <= self.min_p <= 1,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        _require(
+            self.seed is None or isinstance(self.seed, int),
+            f"seed must be an integer or None, got {self.seed!r}",
+        )
+        _require(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a list of non-empty strings, got {self.stop!r}",
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        _require(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
+        )
+        _require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be None or an integer between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}",
+        )
+        _require(
+            _is_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(
+                _is_finite_number(value) and -2 <= value <= 2,
+                f"{name} must be between -2 and 2, got {value!r}",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the arg-max token (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any repetition/presence/frequency penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

@@ -1,0 +1,217 @@
+"""Iteration-level scheduler: decides which sequences compute which tokens each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, BlockMapping
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence computing ``num_new_tokens`` tokens this step."""
+
+    group: SequenceGroup
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Plain data handed from the scheduler to the cache engine and model runner."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: BlockMapping = field(default_factory=list)
+    blocks_to_swap_in: BlockMapping = field(default_factory=list)
+    blocks_to_copy: BlockMapping = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no sequence computes anything this step."""
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Cumulative preemption and swap counts."""
+
+    num_preemptions: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+
+
+class Scheduler:
+    """Waiting, running and swapped queues; FCFS (or priority) with preemption by swap/recompute."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, token_budget: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.token_budget = token_budget
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.counters = SchedulerCounters()
+
+    # ---- queues --------------------------------------------------------------------
+    def _order(self, group: SequenceGroup) -> tuple[float, float]:
+        if self.config.scheduling_policy == "priority":
+            return (group.priority, group.arrival_time)
+        return (0, group.arrival_time)
+
+    def _insert(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
+        queue.append(group)
+        queue.sort(key=self._order)
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a new request."""
+        self._insert(self.waiting, group)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits, runs or is swapped out."""
+        return bool(self.waiting or self.running or self.swapped)
+
+    def find(self, request_id: str) -> SequenceGroup | None:
+        """The live request with this id."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    return group
+        return None
+
+    def remove(self, group: SequenceGroup) -> None:
+        """Drop a request from its queue and free every block it holds."""
+        on_cpu = group in self.swapped
+        for queue in (self.waiting, self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        for seq in group.seqs:
+            self.block_manager.free(seq, on_cpu=on_cpu)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a finished sequence's blocks."""
+        self.block_manager.free(seq)
+
+    def num_running_seqs(self) -> int:
+        """Sequences currently holding device blocks and decoding."""
+        return sum(len(group.unfinished_seqs) for group in self.running)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running first, then swapped back in, then new admissions."""
+        out = SchedulerOutput()
+        budget = [self.token_budget]
+        self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _chunk(self, seq: Sequence, budget: list[int]) -> int:
+        """Tokens ``seq`` may compute within the remaining token budget (0 = not this step)."""
+        wanted = seq.num_uncomputed_tokens
+        if wanted <= budget[0]:
+            return wanted
+        return budget[0] if self.config.enable_chunked_prefill else 0
+
+    def _schedule_group(self, out: SchedulerOutput, group: SequenceGroup, budget: list[int]) -> None:
+        for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+            num_new = self._chunk(seq, budget)
+            if num_new == 0:
+                continue
+            out.blocks_to_copy.extend(self.block_manager.append_slots(seq, num_new))
+            out.scheduled.append(ScheduledSeq(group, seq, num_new))
+            budget[0] -= num_new
+
+    def _blocks_needed(self, group: SequenceGroup, budget: list[int]) -> int:
+        remaining = budget[0]
+        needed = 0
+        for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+            num_new = min(seq.num_uncomputed_tokens, remaining)
+            remaining -= num_new
+            if num_new:
+                needed += self.block_manager.num_blocks_needed(seq, num_new)
+        return needed
+
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int]) -> None:
+        queue = list(self.running)
+        kept: list[SequenceGroup] = []
+        while queue:
+            group = queue.pop(0)
+            while self._blocks_needed(group, budget) > self.block_manager.num_free_gpu_blocks:
+                # evict the newest (lowest-priority) running request; ourselves if none is left
+                victim = queue.pop() if queue else group
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                self._schedule_group(out, group, budget)
+                kept.append(group)
+        self.running = kept
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: list[int]) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
+            if self.num_running_seqs() + len(seqs) > self.config.max_num_seqs:
+                break
+            if budget[0] < len(seqs) or not self.block_manager.can_swap_in(seqs):
+                break
+            self.swapped.pop(0)
+            mapping = self.block_manager.swap_in(seqs)
+            out.blocks_to_swap_in.extend(mapping)
+            self.counters.num_blocks_swapped_in += len(mapping)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            self._schedule_group(out, group, budget)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
+        while self.waiting and budget[0] > 0:
+            group = self.waiting[0]
+            seqs = group.seqs_with_status(SequenceStatus.WAITING)
+            if self.num_running_seqs() + max(len(seqs), group.params.n) > self.config.max_num_seqs:
+                break
+            if not self._can_allocate(seqs):
+                break
+            if not self.config.enable_chunked_prefill and seqs[0].num_tokens > budget[0]:
+                break
+            self.waiting.pop(0)
+            for seq in seqs:
+                self.block_manager.allocate(seq)
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            self._schedule_group(out, group, budget)
+
+    def _can_allocate(self, seqs: list[Sequence]) -> bool:
+        if len(seqs) == 1:
+            return self.block_manager.can_allocate(seqs[0])
+        blocks = sum(-(-seq.num_tokens // self.block_manager.block_size) for seq in seqs)
+        free = self.block_manager.num_free_gpu_blocks - self.block_manager.watermark_blocks
+        return blocks <= free
+
+    # ---- preemption ----------------------------------------------------------------
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        seqs = group.seqs_with_status(SequenceStatus.RUNNING)
+        self.counters.num_preemptions += 1
+        out.preempted.append(group)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seqs):
+            mapping = self.block_manager.swap_out(seqs)
+            out.blocks_to_swap_out.extend(mapping)
+            self.counters.num_preemptions_swap += 1
+            self.counters.num_blocks_swapped_out += len(mapping)
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self._insert(self.swapped, group)
+            return
+        self.counters.num_preemptions_recompute += 1
+        for seq in seqs:
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, group)

@@ -1,0 +1,128 @@
+"""A sequence's tokens and progress, and the request (group of sequences) it belongs to."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One generated continuation: prompt + output tokens and how many have KV in the cache."""
+
+    token_ids: list[int]
+    prompt_len: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    # incremental detokenisation window (see engine.detokenizer)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens only."""
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated so far."""
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V are not in the cache yet (the whole prompt before prefill)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a stop condition (or an abort) ended this sequence."""
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self) -> Sequence:
+        """A new sequence with the same tokens and progress (its blocks are forked separately)."""
+        return Sequence(
+            token_ids=list(self.token_ids),
+            prompt_len=self.prompt_len,
+            num_computed_tokens=self.num_computed_tokens,
+            status=self.status,
+            text=self.text,
+            prefix_offset=self.prefix_offset,
+            read_offset=self.read_offset,
+            logprobs=list(self.logprobs),
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+
+@dataclass(slots=True)
+class SequenceGroup:
+    """One request: its prompt, sampling parameters and its 1..n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def create(
+        cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+        params: SamplingParams, priority: int = 0,
+    ) -> SequenceGroup:
+        """A new request with a single sequence; ``n > 1`` forks after the prompt is computed."""
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
+        return cls(request_id, prompt, list(prompt_token_ids), params, [seq], priority, generator=generator)
+
+    def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
+        """This request's sequences that are in ``status``."""
+        return [seq for seq in self.seqs if seq.status is status]
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        """Sequences still generating."""
+        return [seq for seq in self.seqs if not seq.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        """True when every sequence is finished."""
+        return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def awaits_fork(self) -> bool:
+        """True while an ``n > 1`` request still runs on its single prompt sequence."""
+        return self.params.n > 1 and len(self.seqs) == 1

@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny random Llama with the default model's tokenizer, and the real model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+    tie_word_embeddings=False, initializer_range=0.2,
+)
+
+
+def build_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:
+    """Save a randomly initialised tiny Llama (SmolLM2's tokenizer and vocabulary) into ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        **{**TINY_LLAMA, **overrides},
+    )
+    model = LlamaForCausalLM(config).float()
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with a tiny random Llama (2 layers, GQA 4/2) and the SmolLM2 tokenizer."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model converted to safetensors (converted once into the cache dir)."""
+    from engine.model_files import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
