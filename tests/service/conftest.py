@@ -87,8 +87,14 @@ def redis_prefix() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def service_model_dir(api_model_dir: Path) -> Path:
+    """The model the module's service uses (the API-only tokenizer folder unless a conftest overrides it)."""
+    return api_model_dir
+
+
+@pytest.fixture(scope="module")
 def service_settings(
-    database_url: str, redis_prefix: str, api_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    database_url: str, redis_prefix: str, service_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Settings]:
     """Settings for a migrated store and an isolated Redis namespace, installed for this process."""
     settings = Settings(
@@ -96,7 +102,11 @@ def service_settings(
         database_url=database_url,
         redis_url=f"{REDIS_BASE_URL}/{REDIS_TEST_DB}",
         redis_key_prefix=redis_prefix,
-        model=str(api_model_dir),
+        model=str(service_model_dir),
+        dtype="float32",
+        kv_cache_memory="32MiB",
+        swap_space="32MiB",
+        max_num_seqs=32,
         webhook_allow_private=True,
         webhook_secret="test-secret",
         webhook_backoff_s=0.2,

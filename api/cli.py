@@ -1,0 +1,153 @@
+"""The `pagedserve` command: up, api, worker, migrate, keys create, submit, submit-file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from api.settings import Settings, configure
+
+DEV_KEY_FILE = "dev-api-key"
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (each also PAGEDSERVE_<NAME>)")
+    for name, field in Settings.model_fields.items():
+        group.add_argument(f"--{name.replace('_', '-')}", dest=f"setting_{name}", default=None, help=field.description)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by any --flags given."""
+    overrides = {k.removeprefix("setting_"): v for k, v in vars(args).items() if k.startswith("setting_") and v is not None}
+    settings = Settings(**overrides)
+    configure(settings)
+    return settings
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that gives a child process these settings."""
+    values = settings.model_dump(mode="json", exclude_none=True)
+    return {**os.environ, **{f"PAGEDSERVE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
+                             for k, v in values.items()}}
+
+
+def cmd_api(settings: Settings, _args: argparse.Namespace) -> None:
+    """Serve the REST API."""
+    import uvicorn
+
+    from api.app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+def cmd_worker(settings: Settings, _args: argparse.Namespace) -> None:
+    """Run a worker with its engine."""
+    from worker.main import run_worker
+
+    run_worker(settings)
+
+
+def cmd_migrate(settings: Settings, args: argparse.Namespace) -> None:
+    """Migrate the job store to a revision (default: head)."""
+    from api import migrate
+
+    migrate.upgrade(settings.resolved_database_url(), args.revision)
+    print(f"job store at revision {args.revision}")
+
+
+def cmd_create_key(settings: Settings, args: argparse.Namespace) -> None:
+    """Create an API key and print it (it is shown only this once)."""
+    from api.auth import create_api_key
+    from api.db import session_factory
+
+    with session_factory()() as session:
+        key, token = create_api_key(session, args.name)
+    print(token)
+    print(f"created API key {key.id} ({args.name})", file=sys.stderr)
+
+
+def dev_api_key(settings: Settings) -> str:
+    """The embedded default's development key: kept in the data dir, recreated if the store lost it."""
+    from api.auth import create_api_key, find_api_key
+    from api.db import session_factory
+
+    path = settings.resolved_data_dir() / DEV_KEY_FILE
+    with session_factory()() as session:
+        if path.exists() and find_api_key(session, path.read_text().strip()):
+            return path.read_text().strip()
+        token = create_api_key(session, "development")[1]
+    path.touch(mode=0o600)
+    path.write_text(token)
+    return token
+
+
+def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
+    """Start everything on the embedded default: store, Redis if needed, one worker and the API."""
+    from api import migrate
+    from api.embedded_redis import redis_reachable, start_redis
+
+    data_dir = settings.resolved_data_dir()
+    redis_process = None
+    if not redis_reachable(settings.redis_url):
+        redis_process = start_redis(settings.redis_url, data_dir / "redis")
+    migrate.upgrade(settings.resolved_database_url())
+    token = dev_api_key(settings)
+    worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=settings_env(settings))
+    url = f"http://{settings.host}:{settings.port}"
+    print(f"pagedserve is up: {url}  (docs: {url}/docs)\ndevelopment API key: {token}", flush=True)
+    try:
+        cmd_api(settings, _args)
+    finally:
+        for process in (worker, redis_process):
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=30)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from api.client import add_client_commands
+
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    handlers: dict[str, Callable[[Settings, argparse.Namespace], Any]] = {
+        "up": cmd_up, "api": cmd_api, "worker": cmd_worker, "migrate": cmd_migrate,
+    }
+    for name, handler in handlers.items():
+        sub = commands.add_parser(name, help=handler.__doc__)
+        sub.set_defaults(handler=handler)
+    commands.choices["migrate"].add_argument("--revision", default="head")
+    for sub in (commands.add_parser("create-key", help=cmd_create_key.__doc__),
+                commands.add_parser("keys", help="manage API keys").add_subparsers(required=True).add_parser(
+                    "create", help=cmd_create_key.__doc__)):
+        sub.add_argument("--name", default="default", help="what the key is for")
+        sub.set_defaults(handler=cmd_create_key)
+    add_client_commands(commands)
+    for sub in _all_subparsers(commands):
+        _add_settings_flags(sub)
+    return parser
+
+
+def _all_subparsers(commands: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    found = []
+    for sub in dict.fromkeys(commands.choices.values()):
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        found += _all_subparsers(nested[0]) if nested else [sub]
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `pagedserve` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    args = _parser().parse_args(argv)
+    args.handler(settings_from(args), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The engine service: one thread steps one engine for many concurrent requests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine import SamplingParams
+from worker.engine_service import EngineService, RequestHandle
+
+
+def _collect(handle: RequestHandle, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        item = handle.outputs.get(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(item, Exception) or item.finished:
+            return item
+
+
+def test_concurrent_requests_share_engine_steps(service: EngineService) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    handles = [service.submit(f"share-{i}", f"Request number {i}", params) for i in range(8)]
+    outputs = [_collect(h) for h in handles]
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 12 for o in outputs)
+    assert service.peak_num_running > 1
+
+
+def test_bad_request_fails_on_its_handle_only(service: EngineService) -> None:
+    too_long = service.submit("too-long", "word " * 600, SamplingParams(max_tokens=8))
+    fine = service.submit("fine", "short", SamplingParams(max_tokens=2, temperature=0.0))
+    error = _collect(too_long)
+    assert isinstance(error, ValueError) and "context" in str(error)
+    assert _collect(fine).outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_the_request_blocks_within_a_second(service: EngineService) -> None:
+    engine = service.engine
+    handle = service.submit("long", "Tell me everything", SamplingParams(max_tokens=400, ignore_eos=True))
+    handle.outputs.get(timeout=30)
+    assert engine.stats().num_free_blocks < engine.stats().num_total_blocks
+    service.abort("long")
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and engine.stats().kv_cache_usage > 0.0:
+        time.sleep(0.01)
+    assert engine.stats().kv_cache_usage == 0.0 and engine.stats().num_running == 0

@@ -1,0 +1,81 @@
+"""Running a job: claim, engine, token events, result, cancellation — with the real store, Redis and engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from fastapi.testclient import TestClient
+
+from api import streams
+from api.app import create_app
+from api.settings import Settings
+from engine import SamplingParams
+from worker.engine_service import EngineService
+from worker.runner import run_job
+
+
+def _submit(service_settings: Settings, headers: dict[str, str], **body: object) -> str:
+    response = TestClient(create_app(service_settings)).post("/v1/jobs", json=body, headers=headers)
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def _job(service_settings: Settings, headers: dict[str, str], job_id: str) -> dict:
+    return TestClient(create_app(service_settings)).get(f"/v1/jobs/{job_id}", headers=headers).json()
+
+
+def test_job_runs_to_success_and_streams_its_tokens(
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    job_id = _submit(service_settings, auth_headers, prompt="Once upon a time", max_tokens=10, temperature=0.0)
+    run_job(job_id, service, SamplingParams)
+    job = _job(service_settings, auth_headers, job_id)
+    assert job["status"] == "succeeded" and job["attempts"] == 1 and job["completion_tokens"] == 10
+    assert job["started_at"] <= job["first_token_at"] <= job["finished_at"]
+    entries = streams.redis_client().xrange(streams.events_key(job_id))
+    tokens = [json.loads(fields["data"]) for _, fields in entries if fields["type"] == "token"]
+    assert "".join(t["text"] for t in tokens) == job["text"]
+    assert [i for t in tokens for i in t["token_ids"]] == job["choices"][0]["token_ids"]
+    assert entries[-1][1]["type"] == "final"
+
+
+def test_a_finished_job_is_not_run_again(
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    job_id = _submit(service_settings, auth_headers, prompt="Again", max_tokens=2)
+    run_job(job_id, service, SamplingParams)
+    run_job(job_id, service, SamplingParams)
+    assert _job(service_settings, auth_headers, job_id)["attempts"] == 1
+
+
+def test_a_cancelled_queued_job_never_starts(
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    client = TestClient(create_app(service_settings))
+    job_id = _submit(service_settings, auth_headers, prompt="Never", max_tokens=2)
+    client.post(f"/v1/jobs/{job_id}/cancel", headers=auth_headers)
+    run_job(job_id, service, SamplingParams)
+    job = _job(service_settings, auth_headers, job_id)
+    assert job["status"] == "cancelled" and job["attempts"] == 0 and job["started_at"] is None
+
+
+def test_cancelling_a_running_job_aborts_it_within_a_second(
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    client = TestClient(create_app(service_settings))
+    job_id = _submit(service_settings, auth_headers, prompt="Go on", max_tokens=400, ignore_eos=True)
+    runner = threading.Thread(target=run_job, args=(job_id, service, SamplingParams))
+    runner.start()
+    while _job(service_settings, auth_headers, job_id)["first_token_at"] is None:
+        time.sleep(0.05)
+    cancelled_at = time.monotonic()
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth_headers).json()["status"] == "cancelled"
+    runner.join(timeout=5)
+    while service.engine.stats().kv_cache_usage > 0 and time.monotonic() - cancelled_at < 1.0:
+        time.sleep(0.01)
+    assert time.monotonic() - cancelled_at < 1.0 and service.engine.stats().kv_cache_usage == 0.0
+    job = _job(service_settings, auth_headers, job_id)
+    assert job["status"] == "cancelled" and job["choices"] is None
+
