@@ -1,0 +1,161 @@
+"""Paged decode attention (Triton) against torch SDPA on the same data laid out contiguously.
+
+Contiguous SDPA is the ideal that paging costs against. For each batch x context size the
+script reports both times, their ratio, and the bandwidth each achieves reading K and V,
+prints a table and writes JSON. Needs a CUDA GPU; exits cleanly without one.
+
+    python benchmarks/kernels.py [--dtype float16] [--out benchmarks/results/kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Run as a script, this file's folder would come first on sys.path and its own name would
+# shadow the ``kernels`` package: put the repository root there instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+# Peak HBM bandwidth by device-name fragment, for the "% of peak" column (override with a flag).
+PEAK_BANDWIDTH_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10G": 600.0}
+
+
+@dataclass(slots=True)
+class Row:
+    """One measured grid point."""
+
+    batch: int
+    context_len: int
+    paged_ms: float
+    sdpa_ms: float
+    paged_over_sdpa: float
+    paged_gbps: float
+    sdpa_gbps: float
+    paged_peak_fraction: float | None
+    max_abs_diff: float
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context-lens", type=int, nargs="+", default=[512, 1024, 4096, 16384])
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    parser.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.json"))
+    return parser.parse_args()
+
+
+def peak_bandwidth_gbps(requested: float | None) -> float | None:
+    """The device's peak memory bandwidth: the flag, else a known value for its name."""
+    if requested is not None:
+        return requested
+    name = torch.cuda.get_device_name()
+    return next((gbps for key, gbps in PEAK_BANDWIDTH_GBPS.items() if key in name), None)
+
+
+def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float | None) -> Row:
+    """Time paged decode and contiguous SDPA on identical K/V for one grid point."""
+    import triton.testing
+
+    from kernels import triton_ops
+
+    dtype = getattr(torch, args.dtype)
+    heads, kv_heads, head_dim, block_size = (
+        args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
+    )
+    blocks_per_seq = triton.cdiv(context_len, block_size)
+    num_blocks = batch * blocks_per_seq
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
+    block_tables = block_tables.view(batch, blocks_per_seq)
+    context_lens = torch.full((batch,), context_len, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
+    scale = head_dim**-0.5
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        """The paged cache gathered into ``[batch, kv_heads, context_len, head_dim]``."""
+        gathered = cache[block_tables.long()].flatten(1, 2)[:, :context_len]
+        return gathered.permute(0, 2, 1, 3).contiguous()
+
+    key, value = contiguous(key_cache), contiguous(value_cache)
+    sdpa_query = query[:, :, None, :]
+
+    def paged() -> torch.Tensor:
+        return triton_ops.paged_attention_decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale
+        )
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(sdpa_query, key, value, scale=scale, enable_gqa=True)
+
+    max_abs_diff = (paged().float() - sdpa()[:, :, 0].float()).abs().max().item()
+    paged_ms = triton.testing.do_bench(paged)
+    sdpa_ms = triton.testing.do_bench(sdpa)
+    kv_bytes = 2 * batch * context_len * kv_heads * head_dim * key_cache.element_size()
+    paged_gbps = kv_bytes / paged_ms / 1e6
+    return Row(
+        batch=batch,
+        context_len=context_len,
+        paged_ms=paged_ms,
+        sdpa_ms=sdpa_ms,
+        paged_over_sdpa=paged_ms / sdpa_ms,
+        paged_gbps=paged_gbps,
+        sdpa_gbps=kv_bytes / sdpa_ms / 1e6,
+        paged_peak_fraction=paged_gbps / peak if peak else None,
+        max_abs_diff=max_abs_diff,
+    )
+
+
+def print_table(rows: list[Row]) -> None:
+    """A fixed-width table of the measurements."""
+    header = "batch  context  paged_ms  sdpa_ms  paged/sdpa  paged_GB/s  sdpa_GB/s  %peak  max_diff"
+    print(header)
+    for r in rows:
+        peak = f"{100 * r.paged_peak_fraction:5.1f}" if r.paged_peak_fraction else "    -"
+        print(
+            f"{r.batch:5d}  {r.context_len:7d}  {r.paged_ms:8.4f}  {r.sdpa_ms:7.4f}  "
+            f"{r.paged_over_sdpa:10.3f}  {r.paged_gbps:10.1f}  {r.sdpa_gbps:9.1f}  {peak}  "
+            f"{r.max_abs_diff:8.2e}"
+        )
+
+
+def main() -> int:
+    """Run the grid, print the table, write the JSON."""
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU; none found, nothing measured.")
+        return 0
+    peak = peak_bandwidth_gbps(args.peak_gbps)
+    rows = [
+        measure(args, batch, context_len, peak)
+        for batch in args.batches
+        for context_len in args.context_lens
+    ]
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "peak_gbps": peak,
+        "config": config,
+        "rows": [asdict(r) for r in rows],
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
