@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
+from tests.engine.hf_reference import hf_greedy
 
 PROMPTS = [
     "Hello, my name is",
@@ -21,22 +20,6 @@ PROMPTS = [
     "Q: What is the boiling point of water?\nA:",
     "a",
 ]
-
-
-def hf_greedy(folder: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Reference continuations: one prompt at a time, no padding, greedy, eos disabled."""
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        with torch.inference_mode():
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                do_sample=False, pad_token_id=0,
-            )
-        results.append(out[0, ids.shape[1] :].tolist())
-    return results
 
 
 def engine_greedy(folder: Path, prompts: list[str], max_tokens: int, **engine_kwargs: object) -> tuple[list[list[int]], LLM]:

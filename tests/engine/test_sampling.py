@@ -1,0 +1,164 @@
+"""Sampling features against straightforward reference computations on a tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.hf_reference import hf_greedy, hf_logprobs
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", seed=1)
+
+
+def greedy(llm: LLM, prompt: str = PROMPT, **kwargs: object) -> object:
+    params = SamplingParams(temperature=0.0, ignore_eos=True, **{"max_tokens": 24, **kwargs})
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_string_ends_text_before_the_stop(llm: LLM) -> None:
+    full = greedy(llm)
+    stop = full.text[10:14]
+    index = full.text.index(stop)
+    out = greedy(llm, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:index]
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_id_ends_generation_including_it(llm: LLM) -> None:
+    full = greedy(llm)
+    stop_token = full.token_ids[5]
+    first = full.token_ids.index(stop_token)
+    out = greedy(llm, stop_token_ids=[stop_token])
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: first + 1]
+
+
+def test_min_tokens_suppresses_stops_until_reached(llm: LLM) -> None:
+    full = greedy(llm)
+    stop_token = full.token_ids[0]
+    out = greedy(llm, stop_token_ids=[stop_token], min_tokens=6)
+    assert len(out.token_ids) >= 6
+    assert stop_token not in out.token_ids[:5]
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] == stop_token and stop_token not in out.token_ids[:-1]
+
+
+def test_max_tokens_gives_length_finish(llm: LLM) -> None:
+    out = greedy(llm, max_tokens=7)
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+
+
+def test_repetition_penalty_matches_transformers(llm: LLM, tiny_model_dir: Path) -> None:
+    expected = hf_greedy(tiny_model_dir, [PROMPT], 24, repetition_penalty=1.5)[0]
+    assert greedy(llm, repetition_penalty=1.5).token_ids == expected
+
+
+class OpenAIPenalties:
+    """presence/frequency penalties over generated tokens, written out plainly."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()
+        for token in set(input_ids[0, self.prompt_len :].tolist()):
+            count = input_ids[0, self.prompt_len :].tolist().count(token)
+            scores[0, token] -= self.presence + self.frequency * count
+        return scores
+
+
+def test_presence_and_frequency_penalties_match_reference(llm: LLM, tiny_model_dir: Path) -> None:
+    prompt_len = len(llm.tokenizer.encode(PROMPT))
+    processor = OpenAIPenalties(prompt_len, presence=0.8, frequency=0.6)
+    expected = hf_greedy(tiny_model_dir, [PROMPT], 24, logits_processor=processor)[0]
+    assert greedy(llm, presence_penalty=0.8, frequency_penalty=0.6).token_ids == expected
+
+
+def test_logprobs_match_model_log_softmax(llm: LLM, tiny_model_dir: Path) -> None:
+    out = greedy(llm, max_tokens=6, logprobs=3)
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    reference = hf_logprobs(tiny_model_dir, prompt_ids, out.token_ids)
+    assert len(out.logprobs) == 6
+    for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        top = reference[position].topk(3)
+        assert set(top.indices.tolist()) | {token} == set(entry)
+        for candidate, value in entry.items():
+            assert value == pytest.approx(float(reference[position, candidate]), abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.2, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(["Another prompt", PROMPT, "Third one here"], [others, params, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=99, ignore_eos=True)
+    assert llm.generate([PROMPT], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    sampled = llm.generate([PROMPT], SamplingParams(temperature=0.8, top_k=1, max_tokens=12, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert sampled.token_ids == greedy(llm, max_tokens=12).token_ids
+
+
+def test_parallel_samples_share_prompt_blocks(tiny_model_dir: Path) -> None:
+    prompt = " ".join(["word"] * 60)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
+
+    def peak_blocks(requests: list[SamplingParams]) -> int:
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", enable_prefix_caching=False)
+        for i, p in enumerate(requests):
+            llm.engine.add_request(str(i), prompt, p)
+        peak = 0
+        while llm.engine.has_unfinished_requests():
+            outputs = llm.engine.step()
+            stats = llm.stats()
+            peak = max(peak, stats.num_total_blocks - stats.num_free_blocks)
+        assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+        return peak, outputs
+
+    shared, outputs = peak_blocks([params])
+    separate, _ = peak_blocks([SamplingParams(temperature=1.0, max_tokens=8, seed=s, ignore_eos=True) for s in range(4)])
+    assert len(outputs[0].outputs) == 4
+    assert shared < separate
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+        ({"logprobs": 1000}, "logprobs"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_refused(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate(["word " * 600], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="model"):
+        LLM(model="no-such-model")
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+    assert greedy(llm, max_tokens=3).finish_reason == "length"
