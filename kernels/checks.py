@@ -26,7 +26,7 @@ def _check_index(name: str, tensor: torch.Tensor, ndim: int, device: torch.devic
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Key and value caches: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same everything."""
+    """Key and value caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, alike in all."""
     _require(key_cache.dim() == 4, f"key_cache must be 4-D, got {tuple(key_cache.shape)}")
     _require(
         value_cache.shape == key_cache.shape,
@@ -37,7 +37,7 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
         value_cache.dtype == key_cache.dtype,
         f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}",
     )
-    _require(value_cache.device == key_cache.device, "key_cache and value_cache on different devices")
+    _require(value_cache.device == key_cache.device, "value_cache must be on key_cache's device")
     _require(key_cache.stride(-1) == 1, "key_cache must be contiguous in head_dim")
     _require(
         value_cache.stride() == key_cache.stride(),
@@ -57,9 +57,10 @@ def check_cache_write(
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     expected = (key.shape[0], num_kv_heads, head_dim)
     _require(tuple(key.shape) == expected, f"key must be {expected}, got {tuple(key.shape)}")
-    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} != key {tuple(key.shape)}")
+    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape")
     _require(value.dtype == key.dtype, f"value dtype {value.dtype} != key dtype {key.dtype}")
-    _require(key.stride(-1) == 1 and value.stride(-1) == 1, "key and value must be contiguous in head_dim")
+    _require(key.stride(-1) == 1, "key must be contiguous in head_dim")
+    _require(value.stride(-1) == 1, "value must be contiguous in head_dim")
     _require(key.device == key_cache.device, "key must be on the cache's device")
     _require(value.device == key_cache.device, "value must be on the cache's device")
     _check_index("slot_mapping", slot_mapping, 1, key_cache.device)
@@ -79,9 +80,9 @@ def check_cache_write(
 def _check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     """``query [tokens, num_heads, head_dim]`` matching the cache's head_dim and KV heads."""
     head_dim, num_kv_heads = key_cache.shape[3], key_cache.shape[2]
-    _require(query.dim() == 3, f"query must be [tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    _require(query.dim() == 3, f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
     _require(query.dtype in CACHE_DTYPES, f"query dtype must be one of {CACHE_DTYPES}")
-    _require(query.shape[2] == head_dim, f"query head_dim {query.shape[2]} != cache head_dim {head_dim}")
+    _require(query.shape[2] == head_dim, f"query head_dim {query.shape[2]} != cache's {head_dim}")
     _require(
         query.shape[1] % num_kv_heads == 0,
         f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}",

@@ -135,7 +135,9 @@ def _decode_reduce_kernel(
     total = tl.sum(weights * tl.load(partial_sum_ptr + slots, mask=used, other=0.0), axis=0)
     dims = tl.arange(0, HEAD_DIM_PAD)
     partial = tl.load(
-        partial_out_ptr + slots[:, None] * HEAD_DIM_PAD + dims[None, :], mask=used[:, None], other=0.0
+        partial_out_ptr + slots[:, None] * HEAD_DIM_PAD + dims[None, :],
+        mask=used[:, None],
+        other=0.0,
     )
     out = tl.sum(partial * weights[:, None], axis=0) / total
     out_offsets = seq * stride_out_seq + head * stride_out_head + dims
@@ -150,7 +152,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence ``[num_seqs, num_heads, head_dim]`` against its paged context."""
+    """One query token per sequence ``[num_seqs, num_heads, head_dim]`` against its context."""
     max_context_len = check_decode(query, key_cache, value_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -165,7 +167,9 @@ def paged_attention_decode(
     partial_shape = (num_seqs, num_heads, max_partitions) if not single else (0,)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
-    partial_out = torch.empty((*partial_shape, head_dim_pad), dtype=torch.float32, device=query.device)
+    partial_out = torch.empty(
+        (*partial_shape, head_dim_pad), dtype=torch.float32, device=query.device
+    )
     _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
         out, partial_out, partial_max, partial_sum,
         query, key_cache, value_cache, block_tables, context_lens,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def next_power_of_2(n: int) -> int:
@@ -40,7 +41,7 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return tl.float32
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    return TL_DTYPES[dtype]
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def attend_tile(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step (base 2) of ``query [M, D]`` (in ``DOT_DTYPE``) over a tile of paged context.
+    """One online-softmax step (base 2) of ``query [M, D]`` over a tile of paged context.
 
     ``score_mask [M, TILE]`` selects the pairs that may attend; every row must have seen at
     least one unmasked position by the end of its first tile, so ``max_score`` stays finite.

@@ -14,7 +14,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.mark.parametrize(
     ("key_dtype", "cache_dtype"),
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
 )
 @pytest.mark.parametrize("head_dim", [64, 80, 256])
 def test_reshape_and_cache_writes_the_same_slots_and_skips_padding(

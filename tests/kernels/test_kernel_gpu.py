@@ -21,7 +21,9 @@ def test_decode_over_long_uneven_contexts(triton_ops, make_case, assert_matches,
     )
     query = torch.randn(6, 32, 128, device="cuda", dtype=dtype)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens, 0.088)
-    assert_matches(triton_ops.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+    assert_matches(
+        triton_ops.paged_attention_decode(*args), reference.paged_attention_decode(*args)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
