@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,27 +89,36 @@ def dev_api_key(settings: Settings) -> str:
     return token
 
 
+def _stop_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
     """Start everything on the embedded default: store, Redis if needed, one worker and the API."""
     from api import migrate
     from api.embedded_redis import redis_reachable, start_redis
 
-    data_dir = settings.resolved_data_dir()
-    redis_process = None
-    if not redis_reachable(settings.redis_url):
-        redis_process = start_redis(settings.redis_url, data_dir / "redis")
-    migrate.upgrade(settings.resolved_database_url())
-    token = dev_api_key(settings)
-    worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=settings_env(settings))
-    url = f"http://{settings.host}:{settings.port}"
-    print(f"pagedserve is up: {url}  (docs: {url}/docs)\ndevelopment API key: {token}", flush=True)
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    children: list[subprocess.Popen[bytes]] = []
     try:
-        cmd_api(settings, _args)
+        if not redis_reachable(settings.redis_url):
+            children.append(start_redis(settings.redis_url, settings.resolved_data_dir() / "redis"))
+        migrate.upgrade(settings.resolved_database_url())
+        token = dev_api_key(settings)
+        env = settings_env(settings)
+        children += [subprocess.Popen([sys.executable, "-m", "api.cli", role], env=env) for role in ("worker", "api")]
+        url = f"http://{settings.host}:{settings.port}"
+        print(f"pagedserve is up: {url}  (docs: {url}/docs)\ndevelopment API key: {token}", flush=True)
+        while all(child.poll() is None for child in children):
+            time.sleep(0.5)
+        raise SystemExit("a pagedserve process exited; stopping the others")
     finally:
-        for process in (worker, redis_process):
-            if process is not None:
-                process.terminate()
-                process.wait(timeout=30)
+        for child in reversed(children):  # API first, Redis last, so accepted work reaches the queue
+            child.terminate()
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
 
 
 def _parser() -> argparse.ArgumentParser:

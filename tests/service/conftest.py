@@ -16,7 +16,7 @@ from api import migrate
 from api.auth import create_api_key
 from api.db import session_factory
 from api.settings import Settings, configure
-from receiver import WebhookReceiver
+from tests.service.receiver import WebhookReceiver
 
 PG_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS_BASE_URL = "redis://127.0.0.1:6379"

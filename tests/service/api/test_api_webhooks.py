@@ -6,7 +6,7 @@ import json
 
 import redis
 from fastapi.testclient import TestClient
-from receiver import WebhookReceiver
+from tests.service.receiver import WebhookReceiver
 
 from api.db import session_factory
 from api.lifecycle import transition

@@ -1,0 +1,110 @@
+"""The whole service: API and worker processes, real Redis and store, the tiny model."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from tests.service.procs import wait_until
+from tests.service.receiver import WebhookReceiver
+
+from api.settings import Settings
+from engine import LLMEngine, SamplingParams
+from worker import heartbeat, webhooks
+
+PROMPTS = [f"Job {i}: write about the number {i * 7}" for i in range(32)]
+MAX_TOKENS = 12
+
+
+def _offline_greedy(model_dir: Path, prompts: list[str]) -> list[list[int]]:
+    engine = LLMEngine.from_kwargs(model=str(model_dir), dtype="float32", kv_cache_memory="32MiB",
+                                   swap_space="32MiB", max_num_seqs=32)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    results: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+    return [results[str(i)] for i in range(len(prompts))]
+
+
+def _wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict:
+    job: dict = {}
+
+    def final() -> bool:
+        nonlocal job
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        return job["status"] in {"succeeded", "failed", "cancelled"}
+
+    wait_until(final, timeout_s, f"job {job_id} to finish")
+    return job
+
+
+def test_32_concurrent_jobs_match_offline_greedy_and_were_batched(
+    live_api: str, auth_headers: dict[str, str], service_model_dir: Path
+) -> None:
+    with httpx.Client(base_url=live_api, headers=auth_headers, timeout=60) as client:
+        body = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            submitted = list(pool.map(lambda p: client.post("/v1/jobs", json={**body, "prompt": p}), PROMPTS))
+        assert {r.status_code for r in submitted} == {202}
+        jobs = [_wait_final(client, r.json()["id"]) for r in submitted]
+    assert {job["status"] for job in jobs} == {"succeeded"}
+    assert [job["choices"][0]["token_ids"] for job in jobs] == _offline_greedy(service_model_dir, PROMPTS)
+    stats = heartbeat.read_stats(jobs[0]["worker_id"])
+    assert stats is not None and stats["peak_num_running"] > 1
+
+
+def test_events_stream_yields_the_tokens_of_the_final_output(live_api: str, auth_headers: dict[str, str]) -> None:
+    with httpx.Client(base_url=live_api, headers=auth_headers, timeout=60) as client:
+        job_id = client.post("/v1/jobs", json={"prompt": "Stream this", "max_tokens": 20}).json()["id"]
+        token_ids, text, event = [], "", None
+        with client.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    event = line.removeprefix("event: ")
+                elif line.startswith("data: ") and event == "token":
+                    delta = json.loads(line.removeprefix("data: "))
+                    token_ids += delta["token_ids"]
+                    text += delta["text"]
+        job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "succeeded"
+    assert token_ids == job["choices"][0]["token_ids"] and text == job["text"]
+
+
+def test_webhook_is_signed_and_retried_after_a_500(
+    live_api: str, auth_headers: dict[str, str], service_settings: Settings, webhook_receiver: WebhookReceiver
+) -> None:
+    webhook_receiver.statuses = [500]
+    with httpx.Client(base_url=live_api, headers=auth_headers, timeout=60) as client:
+        body = {"prompt": "Call me back", "max_tokens": 4, "webhook_url": webhook_receiver.url}
+        job_id = client.post("/v1/jobs", json=body).json()["id"]
+
+        def delivered() -> bool:
+            deliveries = client.get(f"/v1/jobs/{job_id}/webhooks").json()
+            return bool(deliveries) and deliveries[0]["status"] == "delivered"
+
+        wait_until(delivered, 60, "the webhook to be delivered")
+        (delivery,) = client.get(f"/v1/jobs/{job_id}/webhooks").json()
+    assert [a["status_code"] for a in delivery["attempts"]] == [500, 200]
+    assert len(webhook_receiver.received) == 2
+    for request in webhook_receiver.received:
+        headers = request.headers
+        assert webhooks.verify(service_settings.resolved_webhook_secret(), headers["X-Pagedserve-Timestamp"],
+                               request.body, headers["X-Pagedserve-Signature"])
+        assert json.loads(request.body)["job"]["status"] == "succeeded"
+
+
+def test_cancelling_a_running_job_through_the_api(live_api: str, auth_headers: dict[str, str]) -> None:
+    with httpx.Client(base_url=live_api, headers=auth_headers, timeout=60) as client:
+        body = {"prompt": "Keep going", "max_tokens": 400, "ignore_eos": True}
+        job_id = client.post("/v1/jobs", json=body).json()["id"]
+        wait_until(lambda: client.get(f"/v1/jobs/{job_id}").json()["first_token_at"] is not None, 60,
+                   "the job to start generating")
+        assert client.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+        job = _wait_final(client, job_id)
+    assert job["status"] == "cancelled" and job["choices"] is None

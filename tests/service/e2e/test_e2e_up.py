@@ -1,0 +1,48 @@
+"""`pagedserve up` on a fresh data directory: embedded SQLite and Redis, a job submitted with curl."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.service.procs import free_port, stop, wait_until
+
+from api.embedded_redis import redis_reachable
+
+
+def _curl(*args: str) -> dict:
+    result = subprocess.run(["curl", "-sS", "--fail-with-body", *args], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def test_up_starts_everything_and_serves_a_curl_job(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port, redis_url = free_port(), f"redis://127.0.0.1:{free_port()}/0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")} | {
+        "PAGEDSERVE_DATA_DIR": str(tmp_path / "data"), "PAGEDSERVE_REDIS_URL": redis_url,
+        "PAGEDSERVE_PORT": str(port), "PAGEDSERVE_MODEL": str(tiny_model_dir), "PAGEDSERVE_DTYPE": "float32",
+        "PAGEDSERVE_KV_CACHE_MEMORY": "32MiB", "PAGEDSERVE_SWAP_SPACE": "32MiB", "PAGEDSERVE_MAX_NUM_SEQS": "8",
+    }
+    log = tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "api.cli", "up"], env=env, stdout=log.open("wb"),
+                          stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "development API key: psk_" in log.read_text(), 60, "`up` to print its API key")
+        assert redis_reachable(redis_url)
+        key = re.search(r"development API key: (\S+)", log.read_text()).group(1)
+        base, auth = f"http://127.0.0.1:{port}", f"Authorization: Bearer {key}"
+        wait_until(lambda: b"ok" in subprocess.run(["curl", "-s", f"{base}/readyz"], capture_output=True).stdout,
+                   60, "the API to be ready")
+        job = _curl("-H", auth, "-H", "Content-Type: application/json",
+                    "-d", '{"prompt": "Hello from curl", "max_tokens": 8}', f"{base}/v1/jobs")
+        wait_until(lambda: _curl("-H", auth, f"{base}/v1/jobs/{job['id']}")["status"] == "succeeded", 120,
+                   "the curl job to succeed")
+        result = _curl("-H", auth, f"{base}/v1/jobs/{job['id']}")
+        assert len(result["choices"][0]["token_ids"]) == 8
+        assert (tmp_path / "data" / "pagedserve.db").exists()
+    finally:
+        stop(up)
+    assert not redis_reachable(redis_url)
