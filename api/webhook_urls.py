@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 
 def check_webhook_url(url: str, allow_private: bool) -> None:
-    """Raise ValueError unless url is http(s) with a host that resolves only to public addresses (or private ones are allowed)."""
+    """Raise ValueError unless url is http(s) and its host resolves only to public addresses (or private are allowed)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"webhook_url must be an http or https URL, got scheme {parts.scheme!r}")

@@ -89,7 +89,8 @@ def _finish(job_id: str, to: JobStatus, **fields: Any) -> None:
 
 def _mark_first_token(job_id: str) -> None:
     with session_factory()() as session:
-        session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.running).values(first_token_at=utcnow()))
+        still_running = (Job.id == job_id) & (Job.status == JobStatus.running)
+        session.execute(update(Job).where(still_running).values(first_token_at=utcnow()))
         session.commit()
 
 

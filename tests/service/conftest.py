@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="session")
 def api_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model folder with only what the API reads: a small byte-level BPE tokenizer, a 128-token context, a chat template."""
+    """A model folder with only what the API reads: a small BPE tokenizer, a 128-token context, a chat template."""
     folder = tmp_path_factory.mktemp("api-model")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

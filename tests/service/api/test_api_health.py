@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from fastapi.testclient import TestClient
 
 from api.app import create_app
@@ -31,3 +35,13 @@ def test_openapi_documents_the_job_routes(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/jobs", "/v1/jobs/batch", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
             "/v1/jobs/{job_id}/events"} <= set(paths)
+
+
+def test_the_api_process_never_imports_torch(api_model_dir: Path) -> None:
+    code = (
+        "import sys; from api.app import create_app; from api.cli import main; "
+        f"from api.prompts import load_prompt_model; create_app(); load_prompt_model({str(api_model_dir)!r}); "
+        "heavy = [m for m in ('torch', 'transformers', 'engine.llm_engine') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

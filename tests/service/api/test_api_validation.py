@@ -77,7 +77,10 @@ def test_unknown_job_is_404(client: TestClient, auth_headers: dict[str, str]) ->
     assert response.status_code == 404 and response.json()["error"]["field"] == "job_id"
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1/hook", "http://10.1.2.3/hook", "http://[::1]/hook", "http://localhost/"])
+PRIVATE_URLS = ["http://127.0.0.1/hook", "http://10.1.2.3/hook", "http://[::1]/hook", "http://localhost/"]
+
+
+@pytest.mark.parametrize("url", PRIVATE_URLS)
 def test_private_webhook_targets_are_refused_unless_allowed(url: str) -> None:
     with pytest.raises(ValueError, match="non-public"):
         check_webhook_url(url, allow_private=False)

@@ -7,41 +7,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from tests.service.e2e.support import offline_greedy, wait_final
 from tests.service.procs import wait_until
 from tests.service.receiver import WebhookReceiver
 
 from api.settings import Settings
-from engine import LLMEngine, SamplingParams
 from worker import heartbeat, webhooks
 
 PROMPTS = [f"Job {i}: write about the number {i * 7}" for i in range(32)]
 MAX_TOKENS = 12
-
-
-def _offline_greedy(model_dir: Path, prompts: list[str]) -> list[list[int]]:
-    engine = LLMEngine.from_kwargs(model=str(model_dir), dtype="float32", kv_cache_memory="32MiB",
-                                   swap_space="32MiB", max_num_seqs=32)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    results: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
-    return [results[str(i)] for i in range(len(prompts))]
-
-
-def _wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict:
-    job: dict = {}
-
-    def final() -> bool:
-        nonlocal job
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        return job["status"] in {"succeeded", "failed", "cancelled"}
-
-    wait_until(final, timeout_s, f"job {job_id} to finish")
-    return job
 
 
 def test_32_concurrent_jobs_match_offline_greedy_and_were_batched(
@@ -52,9 +26,9 @@ def test_32_concurrent_jobs_match_offline_greedy_and_were_batched(
         with ThreadPoolExecutor(max_workers=16) as pool:
             submitted = list(pool.map(lambda p: client.post("/v1/jobs", json={**body, "prompt": p}), PROMPTS))
         assert {r.status_code for r in submitted} == {202}
-        jobs = [_wait_final(client, r.json()["id"]) for r in submitted]
+        jobs = [wait_final(client, r.json()["id"]) for r in submitted]
     assert {job["status"] for job in jobs} == {"succeeded"}
-    assert [job["choices"][0]["token_ids"] for job in jobs] == _offline_greedy(service_model_dir, PROMPTS)
+    assert [job["choices"][0]["token_ids"] for job in jobs] == offline_greedy(service_model_dir, PROMPTS, MAX_TOKENS)
     stats = heartbeat.read_stats(jobs[0]["worker_id"])
     assert stats is not None and stats["peak_num_running"] > 1
 
@@ -106,5 +80,5 @@ def test_cancelling_a_running_job_through_the_api(live_api: str, auth_headers: d
         wait_until(lambda: client.get(f"/v1/jobs/{job_id}").json()["first_token_at"] is not None, 60,
                    "the job to start generating")
         assert client.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
-        job = _wait_final(client, job_id)
+        job = wait_final(client, job_id)
     assert job["status"] == "cancelled" and job["choices"] is None
