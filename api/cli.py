@@ -155,7 +155,8 @@ def _all_subparsers(commands: argparse._SubParsersAction) -> list[argparse.Argum
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `pagedserve` console script."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    for noisy in ("alembic.runtime.plugins", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     args = _parser().parse_args(argv)
     args.handler(settings_from(args), args)
 
