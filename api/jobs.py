@@ -15,7 +15,7 @@ from api import streams
 from api.errors import ApiError
 from api.lifecycle import job_created, transition
 from api.models import ApiKey, Job, JobStatus
-from api.prompts import PromptTooLongError, prompt_model
+from api.prompts import prompt_model
 from api.schemas import JobCreate
 from api.settings import get_settings
 from api.webhook_urls import check_webhook_url
@@ -24,11 +24,11 @@ from api.webhook_urls import check_webhook_url
 def _build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
     model = prompt_model()
     messages = [m.model_dump() for m in body.messages] if body.messages else None
-    prompt = body.prompt if messages is None else model.render_chat(messages)
     field = "prompt" if messages is None else "messages"
     try:
-        num_prompt_tokens = model.check_fits(prompt, body.max_tokens, field=field_prefix + field)
-    except PromptTooLongError as exc:
+        prompt = body.prompt if messages is None else model.render_chat(messages)
+        num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field=field_prefix + field)
+    except ValueError as exc:
         raise ApiError(422, str(exc), field_prefix + field) from exc
     if body.webhook_url:
         try:

@@ -8,6 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -33,8 +34,11 @@ class PromptModel:
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        except TemplateError as exc:
+            raise ValueError(f"messages: the model's chat template failed: {exc}") from exc
 
     def count_tokens(self, prompt: str) -> int:
         """Number of prompt tokens the engine will see."""
