@@ -1,0 +1,1 @@
+"""Baselines that pagedserve is measured against in the same run."""

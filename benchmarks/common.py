@@ -1,0 +1,105 @@
+"""Shared pieces of the benchmark scripts: engine set-up, KV budgets, machine facts, output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from engine import LLM, SamplingParams
+from engine.cache_engine import kv_block_bytes
+from engine.config import resolve_dtype
+from engine.model_files import resolve_model
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+console = Console(width=200)
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Options every benchmark takes: model, dtype, engine limits, scale, seed, output folder."""
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or HF folder")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-tokens", type=int, default=4096, help="KV budget, in token slots")
+    parser.add_argument("--scale", type=float, default=0.125, help="length scale vs the paper's datasets")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a CI-sized run (under a minute)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+
+
+def kv_cache_bytes(model: str, num_tokens: int, block_size: int, dtype: str) -> int:
+    """Bytes of a KV cache holding ``num_tokens`` token slots (whole blocks) of ``model``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model(model))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    block_bytes = kv_block_bytes(config.num_hidden_layers, block_size, config.num_key_value_heads, head_dim,
+                                 resolve_dtype(dtype, torch.device("cpu")))
+    return -(-num_tokens // block_size) * block_bytes
+
+
+def build_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
+    """A paged engine on the CPU sized by the common arguments (``overrides`` win)."""
+    kwargs: dict[str, Any] = dict(
+        dtype=args.dtype, device="cpu", block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=kv_cache_bytes(args.model, args.kv_cache_tokens, args.block_size, args.dtype),
+        swap_space="1GiB", seed=args.seed,
+    )
+    llm = LLM(model=args.model, **{**kwargs, **overrides})
+    # warm-up outside the timed runs: first calls pay for allocator and kernel start-up
+    llm.generate([list(range(1000, 1040))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "load_average_at_end": os.getloadavg(),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q) - 1))]
+
+
+def write_json(name: str, payload: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``payload`` as ``<out_dir>/<name>.json`` and return the path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Print ``rows`` (dicts) as a table of ``columns``; floats get 3 significant digits."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column.replace("_", " "), justify="right" if column != columns[0] else "left")
+    for row in rows:
+        cells = [row.get(column, "") for column in columns]
+        table.add_row(*(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells))
+    console.print(table)
+
+
+def new_figure(**kwargs: Any) -> tuple[Any, Any]:
+    """A matplotlib figure and axes on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(**kwargs)

@@ -1,0 +1,126 @@
+"""Throughput of pagedserve against Orca-style reservation and transformers, on the same requests.
+
+    python -m benchmarks.throughput [--dataset sharegpt] [--num-requests 64] [--scale 0.125] [--quick]
+
+Every system runs the same seeded requests with the same model, dtype and KV budget, one after
+the other in this process. Writes ``throughput.json`` and ``throughput.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from typing import Any
+
+import torch
+
+from benchmarks.baselines import hf, orca
+from benchmarks.common import add_common_args, build_llm, machine, new_figure, print_table, write_json
+from benchmarks.runner import run_engine, summarize
+from benchmarks.workloads import DATASETS, Request, corpus_token_ids, make_requests, max_seq_len
+from engine.model_files import resolve_model
+
+SYSTEMS = ["pagedserve", "orca-oracle", "orca-pow2", "orca-max", "hf-static", "hf-continuous"]
+METHOD = {
+    "pagedserve": "the engine as shipped: blocks allocated on demand, swap preemption",
+    "orca": orca.__doc__.strip().replace("\n", " "),
+    "hf-static": "transformers generate() on left-padded static batches of --hf-batch-size in arrival order",
+    "hf-continuous": "transformers' continuous batching manager (init_continuous_batching), EOS disabled",
+    "mean_kv_waste": "1 - token slots holding a token / slots in allocated blocks, sampled each step",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--dataset", default="sharegpt", choices=sorted(DATASETS))
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-server")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.scale, args.kv_cache_tokens = 6, 0.03, 256
+    return args
+
+
+def run_paged(args: argparse.Namespace, system: str, requests: list[Request]) -> dict[str, Any]:
+    """pagedserve, or its scheduler over a reserving (Orca) block manager."""
+    llm = build_llm(args)
+    on_add = None
+    if system != "pagedserve":
+        on_add = orca.install_reservation(llm.engine, orca.POLICIES[system], max_seq_len(args.scale))
+    return summarize(run_engine(llm.engine, requests, on_add=on_add, desc=system), len(requests))
+
+
+def run_hf(args: argparse.Namespace, system: str, requests: list[Request], pad_id: int) -> dict[str, Any]:
+    """A transformers baseline; a failure is recorded, not raised."""
+    model = hf.load_hf_model(resolve_model(args.model), getattr(torch, args.dtype))
+    try:
+        if system == "hf-static":
+            return hf.run_static(model, requests, args.hf_batch_size, pad_id)
+        return hf.run_continuous(model, requests, args.kv_cache_tokens // args.block_size, args.block_size,
+                                 args.max_num_seqs)
+    except Exception as error:  # noqa: BLE001 - the baseline's failure is a result to report
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def llama_cpp_status() -> dict[str, Any]:
+    """llama.cpp is not driven yet: say whether its server binary is even there."""
+    binary = shutil.which("llama-server")
+    reason = ("llama-server not found on PATH (build it from vendor/llama.cpp in llama-cpp-python's sdist)"
+              if binary is None else f"{binary} found, but this benchmark does not drive llama-server yet")
+    return {"error": f"llama.cpp not available: {reason}"}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every selected system on one workload; print, write JSON and a PNG; return the results."""
+    args = parse_args(argv)
+    tokenizer = build_llm(args).tokenizer
+    requests = make_requests(args.dataset, args.num_requests, args.scale, corpus_token_ids(tokenizer), args.seed)
+    results: dict[str, dict[str, Any]] = {}
+    for system in args.systems:
+        if system.startswith("hf-"):
+            results[system] = run_hf(args, system, requests, tokenizer.eos_token_id)
+        else:
+            results[system] = run_paged(args, system, requests)
+    if args.llama_cpp:
+        results["llama.cpp"] = llama_cpp_status()
+    base = results.get("pagedserve", {}).get("output_tokens_per_s")
+    for result in results.values():
+        if base and "output_tokens_per_s" in result:
+            result["pagedserve_speedup"] = base / result["output_tokens_per_s"]
+    payload = {
+        "benchmark": "throughput", "dataset": args.dataset, "num_requests": len(requests), "scale": args.scale,
+        "max_seq_len": max_seq_len(args.scale), "mean_input_len": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+        "mean_output_len": sum(r.output_len for r in requests) / len(requests),
+        "config": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "method": METHOD,
+        "systems": results,
+    }
+    rows = [{"system": name, **result} for name, result in results.items()]
+    print_table(f"throughput · {args.dataset} ×{args.scale} · {len(requests)} requests", rows,
+                ["system", "output_tokens_per_s", "requests_per_s", "mean_batch_size", "peak_batch_size",
+                 "mean_kv_waste", "num_preemptions", "pagedserve_speedup"])
+    for name, result in results.items():
+        if "error" in result:
+            print(f"{name}: {result['error']}")
+    write_json("throughput", payload, args.out)
+    plot(results, args)
+    return payload
+
+
+def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """Bar chart of output tokens/s per system."""
+    measured = {name: r["output_tokens_per_s"] for name, r in results.items() if "output_tokens_per_s" in r}
+    fig, ax = new_figure(figsize=(7, 4))
+    ax.bar(list(measured), list(measured.values()), color="tab:blue")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"Throughput, {args.dataset}-like ×{args.scale}, {args.num_requests} requests")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(args.out / "throughput.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
