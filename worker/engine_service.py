@@ -40,9 +40,15 @@ class _Abort:
 class EngineService:
     """Owns an LLMEngine; only its thread touches the engine, so requests and aborts go through a command queue."""
 
-    def __init__(self, engine: Any, on_stats: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        on_stats: Callable[[dict[str, Any]], None] | None = None,
+        on_step: Callable[[float, list[Any]], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.on_stats = on_stats
+        self.on_step = on_step  # (step duration in seconds, the step's RequestOutputs), on the engine thread
         self.peak_num_running = 0
         self._commands: queue.Queue[_Add | _Abort] = queue.Queue()
         self._handles: dict[str, RequestHandle] = {}
@@ -100,6 +106,7 @@ class EngineService:
             self._report_stats()
 
     def _step(self) -> None:
+        started_s = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a broken step fails the requests in it, not the worker
@@ -109,6 +116,7 @@ class EngineService:
                 self.engine.abort_request(request_id)
             self._handles.clear()
             return
+        self._report_step(time.perf_counter() - started_s, outputs)
         self.peak_num_running = max(self.peak_num_running, self.engine.stats().num_running)
         for output in outputs:
             handle = self._handles.get(output.request_id)
@@ -117,6 +125,14 @@ class EngineService:
             handle.outputs.put(output)
             if output.finished:
                 del self._handles[output.request_id]
+
+    def _report_step(self, duration_s: float, outputs: list[Any]) -> None:
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(duration_s, outputs)
+        except Exception as exc:  # metrics are best effort, like stats
+            log_event(logger, "engine.step_report_failed", error=repr(exc))
 
     def _report_stats(self) -> None:
         now = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from api.queue import JOBS_QUEUE, WEBHOOKS_QUEUE, celery_app
 from api.settings import Settings, configure
 from worker import heartbeat
+from worker.metrics import serve_metrics
 from worker.service import engine_service
 
 
@@ -12,6 +13,7 @@ def run_worker(settings: Settings) -> None:
     """Run a worker until stopped: one engine, max_num_seqs concurrent jobs, one prefetched message per slot."""
     configure(settings)
     engine_service()  # load the model before taking work
+    serve_metrics(settings.metrics_port)
     import worker.tasks  # noqa: F401  (registers the tasks)
 
     celery_app().worker_main([

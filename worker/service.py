@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from api.errors import log_event
 from api.settings import Settings, get_settings
 from worker import heartbeat
 from worker.engine_service import EngineService
+from worker.metrics import WorkerMetrics
 
 logger = logging.getLogger("pagedserve.worker")
 _lock = threading.Lock()
@@ -43,10 +45,22 @@ def engine_service() -> EngineService:
 
             settings = get_settings()
             engine = LLMEngine.from_kwargs(**engine_kwargs(settings))
-            _service = EngineService(engine, on_stats=heartbeat.beat).start()
+            metrics = WorkerMetrics()
+            metrics.set_cache_config(engine)
+            _service = EngineService(engine, on_stats=_reporter(metrics), on_step=metrics.observe_step).start()
             log_event(logger, "engine.ready", model=settings.model, worker_id=heartbeat.worker_id(),
                       max_model_len=engine.max_model_len)
         return _service
+
+
+def _reporter(metrics: WorkerMetrics) -> Callable[[dict[str, Any]], None]:
+    """The stats callback: metrics first, then the heartbeat."""
+
+    def report(stats: dict[str, Any]) -> None:
+        metrics.observe_stats(stats)  # before the beat: a Redis outage must not freeze the metrics
+        heartbeat.beat(stats)
+
+    return report
 
 
 def sampling_params_class() -> type:
