@@ -8,7 +8,9 @@ from fastapi import FastAPI
 
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
+from api.metrics import HttpLatencyMiddleware
 from api.routes import events, health, jobs
+from api.routes import metrics as metrics_route
 from api.settings import Settings, configure, get_settings
 
 
@@ -25,6 +27,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(events.router)
+    app.include_router(metrics_route.router)
     app.add_middleware(BodySizeLimit, max_bytes=get_settings().max_body_bytes)
+    app.add_middleware(HttpLatencyMiddleware)
     logging.getLogger("pagedserve").setLevel(logging.INFO)
     return app

@@ -9,6 +9,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from api import queue, streams
+from api.metrics import JOBS_FINISHED, JOBS_SUBMITTED
 from api.errors import log_event
 from api.models import Job, JobStatus, WebhookDelivery, utcnow
 
@@ -46,6 +47,7 @@ def _after_transition(job: Job, delivery: WebhookDelivery | None) -> None:
     log_event(logger, "job.transition", job_id=job.id, status=job.status.value, attempts=job.attempts)
     if not job.status.is_final:
         return
+    JOBS_FINISHED.labels(job.status.value).inc()
     try:
         streams.publish_final(streams.redis_client(), job.id, job.status.value)
         if delivery is not None:
@@ -57,6 +59,7 @@ def _after_transition(job: Job, delivery: WebhookDelivery | None) -> None:
 def job_created(job: Job) -> None:
     """Log a new job and hand it to the queue (after its row is committed)."""
     log_event(logger, "job.transition", job_id=job.id, status=job.status.value, attempts=0)
+    JOBS_SUBMITTED.inc()
     try:
         queue.enqueue_job(job.id)
     except Exception as exc:  # Accepted work stays queued in the database; a reconciler re-enqueues it.

@@ -13,6 +13,7 @@ import httpx
 from api import queue
 from api.db import session_factory
 from api.errors import log_event
+from api.metrics import record_webhook_attempt
 from api.models import DeliveryStatus, WebhookAttempt, WebhookDelivery, utcnow
 from api.schemas import JobOut
 from api.settings import get_settings
@@ -83,5 +84,6 @@ def deliver(delivery_id: str) -> None:
         session.commit()
         log_event(logger, "webhook.attempt", delivery_id=delivery.id, job_id=delivery.job_id,
                   attempt=delivery.num_attempts, status_code=status_code, outcome=delivery.status.value)
+        record_webhook_attempt(delivery.status)
         if delivery.status is DeliveryStatus.pending:
             queue.enqueue_webhook(delivery.id, countdown_s=backoff_s(delivery.num_attempts))

@@ -1,0 +1,108 @@
+"""Service metrics: jobs submitted and finished, queue depth, HTTP latency by route, webhook deliveries.
+
+Counters live in whichever process does the work (the API for submissions and cancels, a worker for
+results and webhooks); each process is scraped and PromQL sums them. Several API processes share one
+/metrics through prometheus-client's multiprocess mode when PROMETHEUS_MULTIPROC_DIR is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from sqlalchemy import func, select
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.db import session_factory
+from api.models import DeliveryStatus, Job, JobStatus
+
+logger = logging.getLogger("pagedserve.metrics")
+UNMATCHED_ROUTE = "unmatched"
+HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+JOBS_SUBMITTED = Counter("pagedserve_jobs_submitted_total", "jobs accepted into the store")
+JOBS_FINISHED = Counter("pagedserve_jobs_finished_total", "jobs that reached a final state, by status", ["status"])
+WEBHOOK_DELIVERIES = Counter(
+    "pagedserve_webhook_deliveries_total", "webhook delivery attempts by outcome (delivered, retrying, failed)",
+    ["outcome"],
+)
+HTTP_REQUEST_DURATION = Histogram(
+    "pagedserve_http_request_duration_seconds", "API request latency by method, route template and status code",
+    ["method", "route", "status_code"], buckets=HTTP_BUCKETS_S,
+)
+for _status in JobStatus:
+    if _status.is_final:
+        JOBS_FINISHED.labels(_status.value)
+_OUTCOMES = {DeliveryStatus.delivered: "delivered", DeliveryStatus.pending: "retrying", DeliveryStatus.failed: "failed"}
+for _outcome in _OUTCOMES.values():
+    WEBHOOK_DELIVERIES.labels(_outcome)
+
+
+def record_webhook_attempt(status_after: DeliveryStatus) -> None:
+    """Count one delivery attempt by what it left the delivery as."""
+    WEBHOOK_DELIVERIES.labels(_OUTCOMES[status_after]).inc()
+
+
+class StoreCollector:
+    """Gauges read from the job store at scrape time: the same answer from any API process."""
+
+    def collect(self) -> Iterator[Metric]:
+        """Jobs by status and the queue depth (jobs accepted but not yet claimed by a worker)."""
+        try:
+            with session_factory()() as session:
+                rows = session.execute(select(Job.status, func.count()).group_by(Job.status)).all()
+        except Exception as exc:  # a scrape must not fail with the database; the gauges go missing instead
+            logger.warning("metrics.store_unavailable error=%r", exc)
+            return
+        counts = {status: count for status, count in rows}
+        jobs = GaugeMetricFamily("pagedserve_jobs", "jobs in the store by status", labels=["status"])
+        for status in JobStatus:
+            jobs.add_metric([status.value], counts.get(status, 0))
+        yield jobs
+        yield GaugeMetricFamily("pagedserve_queue_depth", "jobs queued and not yet running",
+                                value=counts.get(JobStatus.queued, 0))
+
+
+def render_metrics() -> tuple[bytes, str]:
+    """This API's metrics in the Prometheus text format, and its content type."""
+    registry = CollectorRegistry()
+    # prometheus-client's own variable: set, every API process writes its samples under it
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        MultiProcessCollector(registry)
+    else:
+        registry.register(REGISTRY)  # a registry is a collector of its metrics
+    registry.register(StoreCollector())
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class HttpLatencyMiddleware:
+    """Times every HTTP request and labels it with its route template (never the raw path)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request through, observing its duration once the response is done."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status_code = 500
+
+        async def send_and_note_status(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note_status)
+        finally:
+            route = getattr(scope.get("route"), "path", UNMATCHED_ROUTE)  # the router sets it on a match
+            HTTP_REQUEST_DURATION.labels(scope["method"], route, str(status_code)).observe(
+                time.perf_counter() - started)
