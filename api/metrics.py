@@ -51,8 +51,15 @@ def record_webhook_attempt(status_after: DeliveryStatus) -> None:
 class StoreCollector:
     """Gauges read from the job store at scrape time: the same answer from any API process."""
 
+    def describe(self) -> list[Metric]:
+        """The gauges' families, without samples: jobs by status, and the queue depth."""
+        return [
+            GaugeMetricFamily("pagedserve_jobs", "jobs in the store by status", labels=["status"]),
+            GaugeMetricFamily("pagedserve_queue_depth", "jobs accepted and not yet claimed by a worker", labels=[]),
+        ]
+
     def collect(self) -> Iterator[Metric]:
-        """Jobs by status and the queue depth (jobs accepted but not yet claimed by a worker)."""
+        """The gauges with their current values."""
         try:
             with session_factory()() as session:
                 rows = session.execute(select(Job.status, func.count()).group_by(Job.status)).all()
@@ -60,12 +67,11 @@ class StoreCollector:
             logger.warning("metrics.store_unavailable error=%r", exc)
             return
         counts = {status: count for status, count in rows}
-        jobs = GaugeMetricFamily("pagedserve_jobs", "jobs in the store by status", labels=["status"])
+        jobs, queue_depth = self.describe()
         for status in JobStatus:
             jobs.add_metric([status.value], counts.get(status, 0))
-        yield jobs
-        yield GaugeMetricFamily("pagedserve_queue_depth", "jobs queued and not yet running",
-                                value=counts.get(JobStatus.queued, 0))
+        queue_depth.add_metric([], counts.get(JobStatus.queued, 0))
+        yield from (jobs, queue_depth)
 
 
 def render_metrics() -> tuple[bytes, str]:
