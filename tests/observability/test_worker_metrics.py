@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -35,12 +34,11 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
     )
 
 
-def _finish(handle: RequestHandle, timeout_s: float = 120.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        item = handle.outputs.get(timeout=max(0.0, deadline - time.monotonic()))
-        if isinstance(item, Exception) or item.finished:
-            return item
+def _final_output(handle: RequestHandle) -> object:
+    item = handle.outputs.get(timeout=120)
+    while not (isinstance(item, Exception) or item.finished):
+        item = handle.outputs.get(timeout=120)
+    return item
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +49,7 @@ def ran(engine: LLMEngine, registry: CollectorRegistry) -> Iterator[WorkerMetric
     service = EngineService(engine, on_stats=metrics.observe_stats, on_step=metrics.observe_step).start()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     handles = [service.submit(f"r{i}", f"Request {i} says hello to the engine", params) for i in range(NUM_REQUESTS)]
-    outputs = [_finish(h) for h in handles]
+    outputs = [_final_output(h) for h in handles]
     assert all(not isinstance(o, Exception) for o in outputs)
     service.stop()
     metrics.observe_stats(service.snapshot())  # the stepping thread has stopped: the engine is ours to read
