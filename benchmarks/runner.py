@@ -22,7 +22,9 @@ class StepSamples:
     batch_sizes: list[int] = field(default_factory=list)
     kv_waste: list[float] = field(default_factory=list)
     kv_usage: list[float] = field(default_factory=list)
-    blocks_used: list[int] = field(default_factory=list)
+    # device blocks in the running sequences' tables: counted once (as held) and per sequence
+    blocks_shared: list[int] = field(default_factory=list)
+    blocks_unshared: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -56,7 +58,9 @@ def probe_steps(engine: Any, samples: StepSamples) -> None:
             samples.batch_sizes.append(len(out.scheduled))
             samples.kv_waste.append(stats.kv_cache_waste_ratio)
             samples.kv_usage.append(stats.kv_cache_usage)
-            samples.blocks_used.append(stats.num_total_blocks - stats.num_free_blocks)
+            tables = [engine.block_manager.tables[item.seq.seq_id] for item in out.scheduled]
+            samples.blocks_shared.append(len({block for table in tables for block in table}))
+            samples.blocks_unshared.append(sum(len(table) for table in tables))
         return out
 
     engine.scheduler.schedule = probed

@@ -18,7 +18,7 @@ from benchmarks.baselines import hf, orca
 from benchmarks.common import add_common_args, build_llm, machine, new_figure, print_table, write_json
 from benchmarks.runner import run_engine, summarize
 from benchmarks.workloads import DATASETS, Request, corpus_token_ids, make_requests, max_seq_len
-from engine.model_files import resolve_model
+from engine.model_files import load_tokenizer, resolve_model
 
 SYSTEMS = ["pagedserve", "orca-oracle", "orca-pow2", "orca-max", "hf-static", "hf-continuous"]
 METHOD = {
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-server")
     args = parser.parse_args(argv)
     if args.quick:
-        args.num_requests, args.scale, args.kv_cache_tokens = 6, 0.03, 256
+        args.num_requests, args.scale, args.kv_cache_tokens = 4, 0.03, 256
     return args
 
 
@@ -77,7 +77,7 @@ def llama_cpp_status() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every selected system on one workload; print, write JSON and a PNG; return the results."""
     args = parse_args(argv)
-    tokenizer = build_llm(args).tokenizer
+    tokenizer = load_tokenizer(args.model)
     requests = make_requests(args.dataset, args.num_requests, args.scale, corpus_token_ids(tokenizer), args.seed)
     results: dict[str, dict[str, Any]] = {}
     for system in args.systems:

@@ -1,0 +1,56 @@
+"""Each benchmark runs end to end at minimal scale on the tiny model and writes sane JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import latency, sharing, throughput
+
+
+def _argv(model_dir: Path, out: Path) -> list[str]:
+    return ["--quick", "--model", str(model_dir), "--dtype", "float32", "--out", str(out)]
+
+
+def _written(out: Path, name: str) -> dict:
+    assert (out / f"{name}.png").stat().st_size > 0
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_throughput_reports_every_system_with_ratios(tiny_model_dir: Path, tmp_path: Path) -> None:
+    throughput.main(_argv(tiny_model_dir, tmp_path)
+                    + ["--systems", "pagedserve", "orca-max", "hf-static", "hf-continuous", "--llama-cpp"])
+    systems = _written(tmp_path, "throughput")["systems"]
+    assert systems["pagedserve"]["pagedserve_speedup"] == pytest.approx(1.0)
+    for name in ("pagedserve", "orca-max"):
+        result = systems[name]
+        assert result["output_tokens_per_s"] > 0 and 1 <= result["mean_batch_size"] <= result["peak_batch_size"]
+        assert 0 <= result["mean_kv_waste"] < 1
+    # reservation holds blocks no token fills yet: more waste than paging
+    assert systems["orca-max"]["mean_kv_waste"] > systems["pagedserve"]["mean_kv_waste"]
+    assert systems["hf-static"]["output_tokens"] == systems["pagedserve"]["output_tokens"]
+    assert "output_tokens_per_s" in systems["hf-continuous"] or "error" in systems["hf-continuous"]
+    assert "not available" in systems["llama.cpp"]["error"]
+
+
+def test_latency_reports_percentiles_per_system_and_rate(tiny_model_dir: Path, tmp_path: Path) -> None:
+    latency.main(_argv(tiny_model_dir, tmp_path))
+    payload = _written(tmp_path, "latency")
+    assert payload["capacity_requests_per_s"] > 0
+    assert {row["system"] for row in payload["results"]} == {"pagedserve", "orca-max"}
+    for row in payload["results"]:
+        assert 0 < row["p50_normalized_latency_s"] <= row["p99_normalized_latency_s"]
+        assert 0 < row["p50_ttft_s"] <= row["p99_ttft_s"]
+
+
+def test_sharing_saves_blocks_for_parallel_samples_and_prefixes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    sharing.main(_argv(tiny_model_dir, tmp_path))
+    payload = _written(tmp_path, "sharing")
+    assert "beam search" not in payload["results"] and "skipped" in payload["beam_search"]
+    for row in payload["results"]:
+        assert row["mean_blocks_shared"] <= row["mean_blocks_unshared"]
+        assert 0 <= row["saving_percent"] < 100
+    prefix_rows = [row for row in payload["results"] if row["scenario"].startswith("shared prefix")]
+    assert all(row["saving_percent"] > 0 and row["prefix_cache_hit_rate"] > 0 for row in prefix_rows)
