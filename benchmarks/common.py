@@ -95,6 +95,17 @@ def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> N
     console.print(table)
 
 
+def save_bar_chart(labels: list[str], values: list[float], ylabel: str, title: str, path: Path) -> None:
+    """Save a bar chart of ``values`` per label as a PNG."""
+    fig, ax = new_figure(figsize=(7, 4))
+    ax.bar(labels, values, color="tab:blue")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def new_figure(**kwargs: Any) -> tuple[Any, Any]:
     """A matplotlib figure and axes on the file-only Agg backend."""
     import matplotlib

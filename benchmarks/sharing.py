@@ -15,7 +15,7 @@ import argparse
 import statistics
 from typing import Any
 
-from benchmarks.common import add_common_args, build_llm, machine, new_figure, print_table, write_json
+from benchmarks.common import add_common_args, build_llm, machine, print_table, save_bar_chart, write_json
 from benchmarks.runner import run_engine, summarize
 from benchmarks.workloads import Request, corpus_token_ids, make_requests
 from engine.model_files import load_tokenizer
@@ -91,13 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Bar chart of the KV block saving per scenario."""
-    fig, ax = new_figure(figsize=(6, 4))
-    ax.bar([r["scenario"] for r in rows], [r["saving_percent"] for r in rows], color="tab:green")
-    ax.set_ylabel("KV blocks saved by sharing (%)")
-    ax.set_title(f"Sharing, alpaca-like ×{args.scale}")
-    ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(args.out / "sharing.png", dpi=120)
+    save_bar_chart([r["scenario"] for r in rows], [r["saving_percent"] for r in rows],
+                   "KV blocks saved by sharing (%)", f"Sharing, alpaca-like x{args.scale}", args.out / "sharing.png")
 
 
 if __name__ == "__main__":

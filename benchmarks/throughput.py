@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.baselines import hf, orca
-from benchmarks.common import add_common_args, build_llm, machine, new_figure, print_table, write_json
+from benchmarks.common import add_common_args, build_llm, machine, print_table, save_bar_chart, write_json
 from benchmarks.runner import run_engine, summarize
 from benchmarks.workloads import DATASETS, Request, corpus_token_ids, make_requests, max_seq_len
 from engine.model_files import load_tokenizer, resolve_model
@@ -113,13 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def plot(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     """Bar chart of output tokens/s per system."""
     measured = {name: r["output_tokens_per_s"] for name, r in results.items() if "output_tokens_per_s" in r}
-    fig, ax = new_figure(figsize=(7, 4))
-    ax.bar(list(measured), list(measured.values()), color="tab:blue")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Throughput, {args.dataset}-like ×{args.scale}, {args.num_requests} requests")
-    ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    fig.savefig(args.out / "throughput.png", dpi=120)
+    save_bar_chart(list(measured), list(measured.values()), "output tokens/s",
+                   f"Throughput, {args.dataset}-like x{args.scale}, {args.num_requests} requests",
+                   args.out / "throughput.png")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-# The paper's (ShareGPT, Alpaca) mean input/output lengths; sigmas give ShareGPT its long tail.
 PAPER_MAX_SEQ_LEN = 2048
 
 
@@ -21,6 +20,7 @@ class LengthDistribution:
     sigma_output: float
 
 
+# the paper's mean input/output lengths; the sigmas give ShareGPT its long tail
 DATASETS: dict[str, LengthDistribution] = {
     "sharegpt": LengthDistribution(161, 338, sigma_input=1.0, sigma_output=0.8),
     "alpaca": LengthDistribution(19, 58, sigma_input=0.6, sigma_output=0.6),
