@@ -7,10 +7,11 @@ import logging
 from fastapi import FastAPI
 
 from api.errors import install_error_handlers
-from api.limits import BodySizeLimit
+from api.limits import UPLOAD_OVERHEAD_BYTES, BodySizeLimit
 from api.metrics import HttpLatencyMiddleware
 from api.routes import events, health, jobs
 from api.routes import metrics as metrics_route
+from api.routes import openai_batch, openai_inference
 from api.settings import Settings, configure, get_settings
 
 
@@ -28,7 +29,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(events.router)
     app.include_router(metrics_route.router)
-    app.add_middleware(BodySizeLimit, max_bytes=get_settings().max_body_bytes)
+    app.include_router(openai_inference.router)
+    app.include_router(openai_batch.router)
+    limits = get_settings()
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes,
+                       path_limits={"/v1/files": limits.max_file_bytes + UPLOAD_OVERHEAD_BYTES})
     app.add_middleware(HttpLatencyMiddleware)
     logging.getLogger("pagedserve").setLevel(logging.INFO)
     return app

@@ -21,7 +21,8 @@ from api.settings import get_settings
 from api.webhook_urls import check_webhook_url
 
 
-def _build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
+def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
+    """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context."""
     model = prompt_model()
     messages = [m.model_dump() for m in body.messages] if body.messages else None
     field = "prompt" if messages is None else "messages"
@@ -55,7 +56,7 @@ def _request_hash(body: JobCreate) -> str:
 
 def create_job(session: Session, key: ApiKey, body: JobCreate, idempotency_key: str | None) -> tuple[Job, bool]:
     """Persist and enqueue one job; with an idempotency key a repeat returns the first job (created=False)."""
-    job = _build_job(key, body)
+    job = build_job(key, body)
     if idempotency_key is not None:
         existing = _idempotent_match(session, key, idempotency_key, _request_hash(body))
         if existing is not None:
@@ -85,7 +86,7 @@ def _idempotent_match(session: Session, key: ApiKey, idempotency_key: str, reque
 
 def create_jobs(session: Session, key: ApiKey, bodies: list[JobCreate]) -> list[Job]:
     """Persist and enqueue many jobs in one transaction: all are accepted or none."""
-    jobs = [_build_job(key, body, field_prefix=f"jobs.{i}.") for i, body in enumerate(bodies)]
+    jobs = [build_job(key, body, field_prefix=f"jobs.{i}.") for i, body in enumerate(bodies)]
     session.add_all(jobs)
     session.commit()
     for job in jobs:

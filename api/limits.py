@@ -7,24 +7,30 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
+# Room for the multipart framing around an uploaded file.
+UPLOAD_OVERHEAD_BYTES = 64 * 1024
+
+
 class BodyTooLarge(Exception):
     """Raised inside receive() once a body passes the limit."""
 
 
 class BodySizeLimit:
-    """Answer 413 for bodies over max_bytes, by Content-Length up front or by counting chunked bodies."""
+    """Answer 413 for bodies over max_bytes (or a path's own limit), by Content-Length up front or by counting."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope["path"], self.max_bytes)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(send)
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            await self._reject(send, max_bytes)
             return
         received = 0
         started = False
@@ -33,7 +39,7 @@ class BodySizeLimit:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes:
+            if received > max_bytes:
                 raise BodyTooLarge
             return message
 
@@ -46,10 +52,10 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(send, max_bytes)
 
-    async def _reject(self, send: Send) -> None:
-        message = f"request body exceeds the limit of {self.max_bytes} bytes"
+    async def _reject(self, send: Send, max_bytes: int) -> None:
+        message = f"request body exceeds the limit of {max_bytes} bytes"
         body = json.dumps({"error": {"message": message, "field": "body", "status": 413}, "detail": message})
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 413, "headers": headers})

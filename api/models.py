@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.0 models of the job store: API keys, jobs, webhook deliveries and their attempts."""
+"""SQLAlchemy 2.0 models of the job store: API keys, jobs, webhook deliveries, OpenAI files and batches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Enum, ForeignKey, Index, Integer, String, Text, TypeDecorator, UniqueConstraint
+from sqlalchemy import (
+    JSON, DateTime, Enum, ForeignKey, Index, Integer, LargeBinary, String, Text, TypeDecorator, UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -153,3 +155,66 @@ class WebhookAttempt(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     delivery: Mapped[WebhookDelivery] = relationship(back_populates="attempts")
+
+
+class BatchStatus(str, enum.Enum):
+    """Lifecycle of an OpenAI batch: in_progress → completed, cancelling → cancelled, or failed (malformed input)."""
+
+    failed = "failed"
+    in_progress = "in_progress"
+    completed = "completed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+class StoredFile(Base):
+    """A file of the OpenAI Files API: an uploaded batch input, or a batch's output or error file."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_owner_created", "api_key_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file"))
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # loaded only when read
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Batch(Base):
+    """An OpenAI batch: one input file whose lines became jobs, and the output files made when they finished."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_owner_created", "api_key_id", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("batch"))
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    status: Mapped[BatchStatus] = mapped_column(Enum(BatchStatus, native_enum=False, length=16))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    output_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    error_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class BatchRequest(Base):
+    """One line of a batch's input: its custom_id and the job it became, or the error that kept it from one."""
+
+    __tablename__ = "batch_requests"
+    __table_args__ = (UniqueConstraint("batch_id", "line_number", name="uq_batch_requests_line"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"))
+    line_number: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)

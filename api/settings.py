@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     webhook_backoff_s: float = Field(1.0, gt=0, description="first retry delay; doubles each attempt")
     webhook_timeout_s: float = Field(10.0, gt=0, description="timeout of one webhook attempt")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body the API accepts")
+    max_file_bytes: int = Field(100 << 20, ge=1024, description="largest file POST /v1/files accepts")
+    max_batch_lines: int = Field(50_000, ge=1, description="most requests one OpenAI batch input file may hold")
+    openai_timeout_s: float = Field(600.0, gt=0, description="wait for a non-streaming OpenAI job")
 
     def resolved_data_dir(self) -> Path:
         """The data directory, expanded and created."""

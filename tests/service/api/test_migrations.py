@@ -9,7 +9,7 @@ from sqlalchemy import create_engine, inspect
 from api import migrate
 from api.models import Base
 
-TABLES = {"api_keys", "jobs", "webhook_deliveries", "webhook_attempts"}
+TABLES = {"api_keys", "jobs", "webhook_deliveries", "webhook_attempts", "files", "batches", "batch_requests"}
 
 
 def _tables(url: str) -> set[str]:

@@ -1,0 +1,46 @@
+"""A finished batch's output and error files: one JSONL line per input line, matched by custom_id."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.models import Batch, BatchRequest, Job, JobStatus
+from api.openai_errors import error_object
+from api.openai_relay import failure
+from api.openai_responses import response_body
+from api.openai_schemas import served_model_id
+
+
+def _result(request: BatchRequest, job: Job | None, endpoint: str) -> tuple[bool, dict[str, Any]]:
+    """(succeeded, output line) of one request line."""
+    line: dict[str, Any] = {"id": f"batch_req_{request.id}", "custom_id": request.custom_id}
+    if request.error is not None:
+        body = {"error": request.error}
+        return False, {**line, "response": {"status_code": 400, "request_id": None, "body": body}, "error": None}
+    assert job is not None
+    problem = failure(job)
+    if problem is None:
+        response = {"status_code": 200, "request_id": job.id, "body": response_body(job, served_model_id(), endpoint)}
+        return True, {**line, "response": response, "error": None}
+    if job.status is JobStatus.cancelled:
+        return False, {**line, "response": None, "error": {"code": "batch_cancelled", "message": problem.message}}
+    body = {"error": error_object(problem.status_code, problem.message, None)}
+    return False, {**line, "response": {"status_code": problem.status_code, "request_id": job.id, "body": body},
+                   "error": None}
+
+
+def output_files(session: Session, batch: Batch) -> tuple[bytes, bytes]:
+    """(output JSONL, error JSONL) of a batch whose jobs are all final, in input line order."""
+    rows = session.execute(
+        select(BatchRequest, Job).outerjoin(Job, BatchRequest.job_id == Job.id)
+        .where(BatchRequest.batch_id == batch.id).order_by(BatchRequest.line_number)
+    ).all()
+    outputs, errors = [], []
+    for request, job in rows:
+        succeeded, line = _result(request, job, batch.endpoint)
+        (outputs if succeeded else errors).append(json.dumps(line) + "\n")
+    return "".join(outputs).encode(), "".join(errors).encode()

@@ -1,0 +1,75 @@
+"""Following a job's event stream in Redis: its token deltas as generated, then the job in its final state."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from api import streams
+from api.db import session_factory
+from api.models import Job
+
+IDLE_CHECK_MS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New text and token ids of one completion ({index, text, token_ids}); entry_id is None when replayed."""
+
+    delta: dict[str, Any]
+    entry_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinalEvent:
+    """The job once it reached a final state; always the last event."""
+
+    job: Job
+    entry_id: str | None = None
+
+
+def load_job(job_id: str) -> Job:
+    """A job as the store has it now (in a short session of its own)."""
+    with session_factory()() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def _replayed_tokens(job: Job) -> list[TokenEvent]:
+    # The event stream expired (or Redis lost it): the stored output stands in for its tokens.
+    return [
+        TokenEvent({"index": c["index"], "text": c["text"], "token_ids": c["token_ids"]})
+        for c in job.output or []
+    ]
+
+
+async def follow_job(job_id: str, last_id: str = "0-0") -> AsyncIterator[TokenEvent | FinalEvent | None]:
+    """Yield a job's events after `last_id`, and None after each idle second (a chance to send a keep-alive)."""
+    client = streams.async_redis_client()
+    stream_key = streams.events_key(job_id)
+    try:
+        while True:
+            reply = await client.xread({stream_key: last_id}, block=IDLE_CHECK_MS, count=512)
+            if not reply:
+                job = await run_in_threadpool(load_job, job_id)
+                if job.status.is_final:
+                    for event in _replayed_tokens(job) if last_id == "0-0" else []:
+                        yield event
+                    yield FinalEvent(job)
+                    return
+                yield None
+                continue
+            for entry_id, fields in reply[0][1]:
+                last_id = entry_id
+                if fields["type"] == "token":
+                    yield TokenEvent(json.loads(fields["data"]), entry_id)
+                    continue
+                yield FinalEvent(await run_in_threadpool(load_job, job_id), entry_id)
+                return
+    finally:
+        await client.aclose()

@@ -1,0 +1,68 @@
+"""OpenAI-style error objects ({error: {message, type, param, code}}) for the OpenAI-compatible routes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
+
+from api.errors import ApiError
+
+_TYPES = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error"}
+
+
+def error_object(status_code: int, message: str, param: str | None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for a status, message and the parameter to blame."""
+    error_type = "server_error" if status_code >= 500 else _TYPES.get(status_code, "invalid_request_error")
+    return {"message": message, "type": error_type, "param": param, "code": code}
+
+
+def error_response(status_code: int, message: str, param: str | None, code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error response."""
+    return JSONResponse({"error": error_object(status_code, message, param, code)}, status_code=status_code)
+
+
+def _param(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # Union members add their type name to the location (e.g. prompt.str); OpenAI names the parameter alone.
+    return ".".join(p for p in parts if p not in ("str", "list[str]", "int", "list[int]")) or "body"
+
+
+def validation_errors(errors: list[Any]) -> tuple[str, str | None]:
+    """One message naming each invalid parameter, and the first such parameter."""
+    messages = [f"{_param(e['loc'])}: {e['msg']}" for e in errors]
+    return "; ".join(messages), _param(errors[0]["loc"]) if errors else None
+
+
+def _api_error(exc: ApiError) -> JSONResponse:
+    # The job API answers 422 for invalid input; OpenAI clients expect 400 there.
+    status_code = 400 if exc.status_code == 422 else exc.status_code
+    code = "model_not_found" if exc.field == "model" and exc.status_code == 404 else None
+    return error_response(status_code, exc.message, exc.field, code)
+
+
+class OpenAIRoute(APIRoute):
+    """A route that renders every client error as an OpenAI error object (400 for invalid parameters)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """Wrap the handler so that validation, ApiError and HTTP errors come back in OpenAI's shape."""
+        handler = super().get_route_handler()
+
+        async def openai_handler(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (RequestValidationError, ValidationError) as exc:
+                message, param = validation_errors(list(exc.errors()))
+                return error_response(400, message, param)
+            except ApiError as exc:
+                return _api_error(exc)
+            except HTTPException as exc:
+                code = "invalid_api_key" if exc.status_code == 401 else None
+                return error_response(exc.status_code, str(exc.detail), None, code)
+
+        return openai_handler

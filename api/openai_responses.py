@@ -1,0 +1,107 @@
+"""OpenAI response bodies (completion, chat completion, stream chunks) built from jobs and token deltas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.models import Job
+from api.openai_schemas import CHAT_COMPLETIONS
+from api.prompts import prompt_model
+
+
+def _created(job: Job) -> int:
+    return int(job.created_at.timestamp())
+
+
+def _finish_reason(choice: dict[str, Any]) -> str:
+    return "length" if choice.get("finish_reason") == "length" else "stop"
+
+
+def usage(job: Job) -> dict[str, int]:
+    """Token counts of a finished job."""
+    prompt_tokens, completion_tokens = job.prompt_tokens or 0, job.completion_tokens or 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(token_id: int) -> str:
+    return prompt_model().tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _steps(choice: dict[str, Any], num_top: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token, logprob, top alternatives) per generated token; the engine adds the sampled token to its top-k."""
+    steps = []
+    for token_id, step in zip(choice["token_ids"], choice["logprobs"], strict=True):
+        top = sorted(((int(k), v) for k, v in step.items()), key=lambda kv: -kv[1])[:num_top]
+        steps.append((_token_text(token_id), step[str(token_id)], [(_token_text(i), lp) for i, lp in top]))
+    return steps
+
+
+def _completion_logprobs(choice: dict[str, Any], num_top: int) -> dict[str, Any]:
+    steps = _steps(choice, num_top)
+    offsets, offset = [], 0
+    for token, _, _ in steps:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": [token for token, _, _ in steps],
+        "token_logprobs": [logprob for _, logprob, _ in steps],
+        "top_logprobs": [dict(top) for _, _, top in steps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(choice: dict[str, Any], num_top: int) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+               for token, lp, top in _steps(choice, num_top)]
+    return {"content": content, "refusal": None}
+
+
+def completion_body(job: Job, model: str) -> dict[str, Any]:
+    """The text_completion object of a succeeded job."""
+    num_top = job.params.get("logprobs")
+    choices = [{
+        "index": c["index"], "text": c["text"], "finish_reason": _finish_reason(c),
+        "logprobs": _completion_logprobs(c, num_top) if num_top is not None and c.get("logprobs") else None,
+    } for c in job.output or []]
+    return {"id": job.id, "object": "text_completion", "created": _created(job), "model": model,
+            "choices": choices, "usage": usage(job)}
+
+
+def chat_body(job: Job, model: str) -> dict[str, Any]:
+    """The chat.completion object of a succeeded job."""
+    num_top = job.params.get("logprobs")
+    choices = [{
+        "index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+        "finish_reason": _finish_reason(c),
+        "logprobs": _chat_logprobs(c, num_top) if num_top is not None and c.get("logprobs") else None,
+    } for c in job.output or []]
+    return {"id": job.id, "object": "chat.completion", "created": _created(job), "model": model,
+            "choices": choices, "usage": usage(job)}
+
+
+def response_body(job: Job, model: str, endpoint: str) -> dict[str, Any]:
+    """The response object of a succeeded job for its endpoint."""
+    return chat_body(job, model) if endpoint == CHAT_COMPLETIONS else completion_body(job, model)
+
+
+def chunk(job: Job, model: str, endpoint: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One stream chunk; each choice has index plus text (completions) or delta (chat), and finish_reason."""
+    obj = "chat.completion.chunk" if endpoint == CHAT_COMPLETIONS else "text_completion"
+    return {"id": job.id, "object": obj, "created": _created(job), "model": model,
+            "choices": [{"logprobs": None, **c} for c in choices]}
+
+
+def delta_choice(endpoint: str, index: int, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    """One choice of a stream chunk carrying new text."""
+    if endpoint == CHAT_COMPLETIONS:
+        return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "finish_reason": finish_reason}
+
+
+def final_choices(job: Job, endpoint: str) -> list[dict[str, Any]]:
+    """The closing choice of each completion: no new text, its finish reason."""
+    return [delta_choice(endpoint, c["index"], "", _finish_reason(c)) for c in job.output or []]
