@@ -66,6 +66,17 @@ class LLM:
                         bar.update(1)
         return [finished[request_id] for request_id in ids]
 
+    def beam_search(
+        self, prompts: Prompt | Seq[Prompt], beam_width: int, max_tokens: int, length_penalty: float = 1.0,
+        ignore_eos: bool = False, use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search per prompt; ``outputs`` holds the ``beam_width`` best beams, best first."""
+        params = SamplingParams(
+            beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
+            temperature=0.0, ignore_eos=ignore_eos,
+        )
+        return self.generate(prompts, params, use_tqdm)
+
     def chat(
         self, messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.beam_search import beam_step
 from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine, default_kv_cache_bytes, kv_block_bytes
 from engine.config import EngineConfig, resolve_dtype
@@ -128,7 +129,7 @@ class LLMEngine:
                 f"context of {self.max_model_len} tokens"
             )
         block_size = self.config.block_size
-        worst_case = _cdiv(num_prompt, block_size) + params.n * (_cdiv(params.max_tokens, block_size) + 1)
+        worst_case = _cdiv(num_prompt, block_size) + max(params.n, params.beam_width) * (_cdiv(params.max_tokens, block_size) + 1)
         usable = self.num_gpu_blocks - self.block_manager.watermark_blocks
         if worst_case > usable:
             raise ValueError(
@@ -204,8 +205,12 @@ class LLMEngine:
     def _append_samples(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> None:
         row_of_logits: list[int] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
+        beam_rows: dict[str, list[int]] = {}
         for i, item in enumerate(sampled):
             group, seq = item.group, item.seq
+            if group.params.is_beam_search:
+                beam_rows.setdefault(group.request_id, []).append(i)
+                continue
             seqs = [seq]
             if group.awaits_fork:  # the prompt is computed once; n samples share its blocks
                 for _ in range(group.params.n - 1):
@@ -216,11 +221,48 @@ class LLMEngine:
             for target in seqs:
                 row_of_logits.append(i)
                 targets.append((group, target))
+        now = time.monotonic()
+        for rows_of_group in beam_rows.values():
+            self._advance_beams(sampled[rows_of_group[0]].group, [sampled[i].seq for i in rows_of_group],
+                                logits[rows_of_group], now)
+        if not targets:
+            return
         rows = [self._sampling_row(group, seq) for group, seq in targets]
         results = sample(logits[row_of_logits], rows)
-        now = time.monotonic()
         for (group, seq), result in zip(targets, results):
             self._append_token(group, seq, result.token_id, result.logprobs, now)
+
+    def _advance_beams(self, group: SequenceGroup, beams: list[Sequence], logits: torch.Tensor, now: float) -> None:
+        """One beam-search step: fork kept beams (sharing blocks), drop the rest, record hypotheses."""
+        params = group.params
+        eos = set() if params.ignore_eos else self.eos_token_ids
+        result = beam_step(beams, logits, params.beam_width, params.max_tokens, params.length_penalty,
+                           eos, group.beam_hypotheses)
+        group.beam_hypotheses += result.finished
+        self.generation_tokens += len(result.choices)
+        if group.first_token_time is None:
+            group.first_token_time = now
+        children: dict[int, list] = {}
+        for choice in result.choices:
+            children.setdefault(choice.parent, []).append(choice)
+        kept: list[Sequence] = []
+        for index, beam in enumerate(beams):
+            extensions = [] if result.done else children.get(index, [])
+            if not extensions:  # a dropped beam frees only the blocks it alone held
+                beam.status = SequenceStatus.FINISHED
+                self.scheduler.free_seq(beam)
+                continue
+            forks = [beam.fork() for _ in extensions[1:]]
+            for fork in forks:
+                self.block_manager.fork(beam, fork)
+            for seq, choice in zip([beam, *forks], extensions):
+                seq.token_ids.append(choice.token_id)
+                seq.cumulative_logprob = choice.cumulative_logprob
+                kept.append(seq)
+        group.seqs = kept
+        if result.done:
+            group.finished_time = now
+            self.scheduler.running.remove(group)
 
     def _append_token(
         self, group: SequenceGroup, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float
@@ -259,7 +301,19 @@ class LLMEngine:
             return "length"
         return None
 
+    def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
+        ranked = sorted(group.beam_hypotheses, key=lambda h: h.score, reverse=True)[: group.params.beam_width]
+        return [
+            CompletionOutput(
+                index=i, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True), token_ids=h.token_ids,
+                finish_reason=h.finish_reason, cumulative_logprob=h.cumulative_logprob,
+            )
+            for i, h in enumerate(ranked)
+        ]
+
     def _output(self, group: SequenceGroup) -> RequestOutput:
+        if group.params.is_beam_search and group.is_finished:
+            return self._request_output(group, self._beam_outputs(group))
         want_logprobs = group.params.logprobs is not None
         outputs = [
             CompletionOutput(
@@ -268,6 +322,9 @@ class LLMEngine:
             )
             for i, seq in enumerate(group.seqs)
         ]
+        return self._request_output(group, outputs)
+
+    def _request_output(self, group: SequenceGroup, outputs: list[CompletionOutput]) -> RequestOutput:
         finished = group.is_finished
         if finished:
             self.groups.pop(group.request_id, None)

@@ -37,6 +37,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    beam_width: int = 1
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +48,18 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        _require(
+            isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_N,
+            f"beam_width must be an integer between 1 and {MAX_N}, got {self.beam_width!r}",
+        )
+        _require(
+            _is_finite_number(self.length_penalty),
+            f"length_penalty must be a finite number, got {self.length_penalty!r}",
+        )
+        _require(
+            self.beam_width == 1 or self.n == 1,
+            f"n must be 1 with beam search (the beam_width best beams are returned), got n={self.n!r}",
+        )
         _require(
             isinstance(self.n, int) and 1 <= self.n <= MAX_N,
             f"n must be an integer between 1 and {MAX_N}, got {self.n!r}",
@@ -100,6 +114,11 @@ class SamplingParams:
                 _is_finite_number(value) and -2 <= value <= 2,
                 f"{name} must be between -2 and 2, got {value!r}",
             )
+
+    @property
+    def is_beam_search(self) -> bool:
+        """True when the request keeps ``beam_width > 1`` beams instead of sampling."""
+        return self.beam_width > 1
 
     @property
     def greedy(self) -> bool:

@@ -105,12 +105,37 @@ class Scheduler:
         """Pick this step's work: running first, then swapped back in, then new admissions."""
         out = SchedulerOutput()
         budget = [self.token_budget]
-        self._schedule_running(out, budget)
-        if not out.preempted:
+        if self.config.scheduling_policy == "priority":
+            self._preempt_for_priority(out)
+        starved = self._schedule_running(out, budget)
+        if not starved:
             self._schedule_swapped(out, budget)
-        if not out.preempted and not self.swapped:
+        if not starved and (not self.swapped or self._waiting_outranks_swapped()):
             self._schedule_waiting(out, budget)
         return out
+
+    def _waiting_outranks_swapped(self) -> bool:
+        return (
+            self.config.scheduling_policy == "priority"
+            and bool(self.waiting)
+            and self.waiting[0].priority < self.swapped[0].priority
+        )
+
+    def _fits_now(self, group: SequenceGroup) -> bool:
+        seqs = group.seqs_with_status(SequenceStatus.WAITING)
+        if self.num_running_seqs() + max(len(seqs), group.num_seqs_wanted) > self.config.max_num_seqs:
+            return False
+        return self._can_allocate(seqs)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Make room for the most urgent waiting request by preempting lower-priority running ones."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim = max(self.running, key=self._order)
+            if victim.priority <= head.priority or self._fits_now(head):
+                return
+            self.running.remove(victim)
+            self._preempt(victim, out)
 
     def _chunk(self, seq: Sequence, budget: list[int]) -> int:
         """Tokens ``seq`` may compute within the remaining token budget (0 = not this step)."""
@@ -138,24 +163,28 @@ class Scheduler:
                 needed += self.block_manager.num_blocks_needed(seq, num_new)
         return needed
 
-    def _schedule_running(self, out: SchedulerOutput, budget: list[int]) -> None:
-        queue = list(self.running)
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int]) -> bool:
+        """Give every running request its next tokens; True if some had to be preempted for room."""
+        queue = sorted(self.running, key=self._order)
         kept: list[SequenceGroup] = []
+        starved = False
         while queue:
             group = queue.pop(0)
             while self._blocks_needed(group, budget) > self.block_manager.num_free_gpu_blocks:
                 # evict the newest (lowest-priority) running request; ourselves if none is left
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
+                starved = True
                 if victim is group:
                     break
             else:
                 self._schedule_group(out, group, budget)
                 kept.append(group)
         self.running = kept
+        return starved
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: list[int]) -> None:
-        while self.swapped:
+        while self.swapped and not self._waiting_outranks_swapped():
             group = self.swapped[0]
             seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
             if self.num_running_seqs() + len(seqs) > self.config.max_num_seqs:
@@ -175,9 +204,7 @@ class Scheduler:
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
-            if self.num_running_seqs() + max(len(seqs), group.params.n) > self.config.max_num_seqs:
-                break
-            if not self._can_allocate(seqs):
+            if not self._fits_now(group):
                 break
             if not self.config.enable_chunked_prefill and seqs[0].num_tokens > budget[0]:
                 break

@@ -81,6 +81,16 @@ class Sequence:
 
 
 @dataclass(slots=True)
+class BeamHypothesis:
+    """A finished beam: its generated tokens and length-normalised score."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass(slots=True)
 class SequenceGroup:
     """One request: its prompt, sampling parameters and its 1..n sequences."""
 
@@ -95,6 +105,7 @@ class SequenceGroup:
     first_token_time: float | None = None
     finished_time: float | None = None
     generator: torch.Generator | None = None
+    beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -123,6 +134,11 @@ class SequenceGroup:
         return all(seq.is_finished for seq in self.seqs)
 
     @property
+    def num_seqs_wanted(self) -> int:
+        """How many sequences this request runs at once once it forks (n samples or beams)."""
+        return max(self.params.n, self.params.beam_width)
+
+    @property
     def awaits_fork(self) -> bool:
-        """True while an ``n > 1`` request still runs on its single prompt sequence."""
-        return self.params.n > 1 and len(self.seqs) == 1
+        """True while an ``n > 1`` sampling request still runs on its single prompt sequence."""
+        return self.params.n > 1 and len(self.seqs) == 1 and not self.params.is_beam_search

@@ -1,0 +1,70 @@
+"""Beam search over the paged cache: pick the next beams; finished beams become hypotheses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import BeamHypothesis, Sequence
+
+
+@dataclass(slots=True)
+class BeamChoice:
+    """A continuation kept for the next step: which beam it extends, with which token."""
+
+    parent: int
+    token_id: int
+    cumulative_logprob: float
+
+
+@dataclass(slots=True)
+class BeamStep:
+    """The outcome of one beam-search step for one request."""
+
+    choices: list[BeamChoice]
+    finished: list[BeamHypothesis]
+    done: bool
+
+
+def _normalised(cumulative_logprob: float, num_generated: int, length_penalty: float) -> float:
+    return cumulative_logprob / (num_generated**length_penalty)
+
+
+def beam_step(
+    beams: list[Sequence], logits: torch.Tensor, beam_width: int, max_tokens: int,
+    length_penalty: float, eos_token_ids: set[int], hypotheses: list[BeamHypothesis],
+) -> BeamStep:
+    """Rank every (beam, token) continuation by cumulative logprob (fp32, as transformers does)
+    and keep the ``beam_width`` best that do not end in EOS; EOS endings among the top
+    ``beam_width`` become hypotheses."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    running = torch.tensor([beam.cumulative_logprob for beam in beams], dtype=torch.float32)
+    totals = (logprobs + running[:, None]).view(-1)
+    values, indices = totals.topk(min(2 * beam_width, totals.numel()))
+    vocab = logits.shape[-1]
+    num_generated = beams[0].num_output_tokens + 1
+    choices: list[BeamChoice] = []
+    finished: list[BeamHypothesis] = []
+    for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist())):
+        parent, token = divmod(index, vocab)
+        if token in eos_token_ids:
+            if rank < beam_width:
+                tokens = beams[parent].output_token_ids + [token]
+                finished.append(BeamHypothesis(tokens, value, _normalised(value, num_generated, length_penalty), "stop"))
+            continue
+        choices.append(BeamChoice(parent, token, value))
+        if len(choices) == beam_width:
+            break
+    if num_generated >= max_tokens:
+        finished += [
+            BeamHypothesis(beams[c.parent].output_token_ids + [c.token_id], c.cumulative_logprob,
+                           _normalised(c.cumulative_logprob, num_generated, length_penalty), "length")
+            for c in choices
+        ]
+        return BeamStep([], finished, True)
+    ranked = sorted(hypotheses + finished, key=lambda h: h.score, reverse=True)[:beam_width]
+    best_running = _normalised(choices[0].cumulative_logprob, num_generated, length_penalty) if choices else None
+    # no running beam can still beat the worst of beam_width finished ones (transformers' heuristic)
+    done = best_running is None or (len(ranked) >= beam_width and best_running <= ranked[-1].score)
+    return BeamStep(choices, finished, done)

@@ -1,0 +1,123 @@
+"""Beam search, priority scheduling and prefix caching on the paged engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox", "Hello, my name is", "In the beginning there was"]
+
+
+def tiny_llm(folder: Path, **kwargs: object) -> LLM:
+    return LLM(model=str(folder), dtype="float32", **{"kv_cache_memory": "8MiB", **kwargs})
+
+
+def hf_beam(folder: Path, prompt: str, beam_width: int, max_tokens: int) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), num_beams=beam_width, do_sample=False,
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0,
+            early_stopping=False, length_penalty=1.0,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("beam_width", [2, 4])
+def test_beam_search_best_matches_transformers(tiny_model_dir: Path, beam_width: int) -> None:
+    llm = tiny_llm(tiny_model_dir)
+    outputs = llm.beam_search(PROMPTS, beam_width=beam_width, max_tokens=10, ignore_eos=True, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert len(output.outputs) == beam_width
+        scores = [o.cumulative_logprob for o in output.outputs]
+        assert scores == sorted(scores, reverse=True)
+        assert output.outputs[0].token_ids == hf_beam(tiny_model_dir, prompt, beam_width, 10)
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+
+
+def peak_used_blocks(llm: LLM, requests: list[tuple[str, SamplingParams]]) -> int:
+    for i, (prompt, params) in enumerate(requests):
+        llm.engine.add_request(str(i), prompt, params)
+    peak = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        stats = llm.stats()
+        peak = max(peak, stats.num_total_blocks - stats.num_free_blocks)
+    return peak
+
+
+def test_beam_search_shares_blocks_between_beams(tiny_model_dir: Path) -> None:
+    prompt = " ".join(["token"] * 80)
+    beams = SamplingParams(beam_width=4, max_tokens=12, temperature=0.0, ignore_eos=True)
+    single = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    shared = peak_used_blocks(tiny_llm(tiny_model_dir, enable_prefix_caching=False), [(prompt, beams)])
+    separate = peak_used_blocks(tiny_llm(tiny_model_dir, enable_prefix_caching=False), [(prompt, single)] * 4)
+    assert shared < separate * 0.6
+
+
+def test_high_priority_request_overtakes_a_full_batch(tiny_model_dir: Path) -> None:
+    llm = tiny_llm(tiny_model_dir, scheduling_policy="priority", max_num_seqs=2)
+    engine = llm.engine
+    slow = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"low-{i}", PROMPTS[i], slow, priority=5)
+    engine.step()
+    engine.step()
+    engine.add_request("urgent", PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order[0] == "urgent"
+    assert llm.stats().num_preemptions >= 1
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_model_dir: Path) -> None:
+    prefix = "You are a helpful assistant. " * 12
+    prompts = [prefix + "Question one?", prefix + "Question two?"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cached = tiny_llm(tiny_model_dir)
+    first = cached.generate(prompts[:1], params, use_tqdm=False)
+    prompt_tokens_before = cached.stats().prompt_tokens
+    second = cached.generate(prompts[1:], params, use_tqdm=False)
+    stats = cached.stats()
+    computed = stats.prompt_tokens - prompt_tokens_before
+    assert stats.prefix_cache_hits > 0
+    assert computed < len(second[0].prompt_token_ids) // 2
+    uncached = tiny_llm(tiny_model_dir, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    assert [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids] == [o.outputs[0].token_ids for o in uncached]
+
+
+def test_prefix_cache_eviction_under_pressure_keeps_outputs(tiny_model_dir: Path) -> None:
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    prompts = [f"Story number {i}: " + "once upon a time " * 8 for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    small = tiny_llm(tiny_model_dir, kv_cache_memory=10 * block_bytes, watermark=0.0)
+    reference = tiny_llm(tiny_model_dir, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    for _ in range(2):  # the second round runs against a cache whose blocks were partly evicted
+        outputs = small.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    small.engine.block_manager.gpu.check_invariants()
+
+
+def test_running_sequences_decode_every_step_during_a_long_chunked_prefill(tiny_model_dir: Path) -> None:
+    llm = tiny_llm(tiny_model_dir, max_num_batched_tokens=32)
+    engine = llm.engine
+    engine.add_request("running", PROMPTS[0], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    engine.step()
+    long_prompt = list(range(1000, 1300))
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    prefill_steps = 0
+    while True:
+        outputs = {o.request_id: o for o in engine.step()}
+        assert "running" in outputs  # a token for the running request in every step
+        if outputs.get("long") and outputs["long"].outputs[0].token_ids:
+            break
+        prefill_steps += 1
+    assert prefill_steps >= len(long_prompt) // 32 - 1  # the prompt really was spread over many steps
