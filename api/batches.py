@@ -12,7 +12,7 @@ from api.batch_output import output_files
 from api.errors import ApiError
 from api.lifecycle import job_created, transition
 from api.models import ApiKey, Batch, BatchRequest, BatchStatus, Job, JobStatus, new_id, utcnow
-from api.openai_files import BATCH_INPUT, BATCH_OUTPUT, get_file, store_file
+from api.openai_files import BATCH_INPUT, BATCH_OUTPUT, get_file, get_owned, store_file
 
 MAX_REPORTED_ERRORS = 100
 
@@ -95,10 +95,7 @@ def settle(session: Session, batch: Batch) -> Batch:
 
 def get_batch(session: Session, key: ApiKey, batch_id: str) -> Batch:
     """The caller's batch, settled if its jobs are done; 404 for another key's batch."""
-    batch = session.get(Batch, batch_id)
-    if batch is None or batch.api_key_id != key.id:
-        raise ApiError(404, f"batch {batch_id} not found", "batch_id")
-    return settle(session, batch)
+    return settle(session, get_owned(session, key, Batch, batch_id, "batch"))
 
 
 def cancel_batch(session: Session, key: ApiKey, batch_id: str) -> Batch:

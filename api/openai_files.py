@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.models import ApiKey, StoredFile
+from api.models import ApiKey, Batch, StoredFile
 from api.settings import get_settings
 
 BATCH_INPUT = "batch"
 BATCH_OUTPUT = "batch_output"
+Owned = TypeVar("Owned", StoredFile, Batch)
 
 
 def jsonl_lines(content: bytes) -> list[tuple[int, dict[str, Any]]]:
@@ -64,12 +65,17 @@ def store_file(session: Session, owner_id: str, filename: str, purpose: str, con
     return stored
 
 
+def get_owned(session: Session, key: ApiKey, model: type[Owned], object_id: str, what: str) -> Owned:
+    """The caller's file or batch, or 404 (also for another key's, so ids reveal nothing)."""
+    found = session.get(model, object_id)
+    if found is None or found.api_key_id != key.id:
+        raise ApiError(404, f"{what} {object_id} not found", f"{what}_id")
+    return found
+
+
 def get_file(session: Session, key: ApiKey, file_id: str) -> StoredFile:
-    """The caller's file, or 404 (also for another key's file)."""
-    stored = session.get(StoredFile, file_id)
-    if stored is None or stored.api_key_id != key.id:
-        raise ApiError(404, f"file {file_id} not found", "file_id")
-    return stored
+    """The caller's file, or 404."""
+    return get_owned(session, key, StoredFile, file_id, "file")
 
 
 def list_files(session: Session, key: ApiKey, purpose: str | None) -> list[StoredFile]:

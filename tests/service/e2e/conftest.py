@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.service.procs import free_port, stop, wait_until
@@ -40,3 +41,11 @@ def live_api(service_settings: Settings, tmp_path_factory: pytest.TempPathFactor
     finally:
         for process in processes:
             stop(process)
+
+
+@pytest.fixture(scope="module")
+def openai_client(live_api: str, auth_headers: dict[str, str]) -> Iterator[openai.OpenAI]:
+    """The official OpenAI client pointed at the live service."""
+    token = auth_headers["Authorization"].removeprefix("Bearer ")
+    with openai.OpenAI(base_url=f"{live_api}/v1", api_key=token, max_retries=0, timeout=60) as client:
+        yield client

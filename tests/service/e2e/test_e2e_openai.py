@@ -1,8 +1,6 @@
-"""The OpenAI-compatible API through the official `openai` client, against live API and worker processes."""
+"""The OpenAI-compatible API through the official `openai` openai_client, against live API and worker processes."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -19,27 +17,19 @@ def database_url(sqlite_url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(live_api: str, auth_headers: dict[str, str]) -> Iterator[openai.OpenAI]:
-    """The official OpenAI client pointed at the live service."""
-    token = auth_headers["Authorization"].removeprefix("Bearer ")
-    with openai.OpenAI(base_url=f"{live_api}/v1", api_key=token, max_retries=0, timeout=60) as openai_client:
-        yield openai_client
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
+def model(openai_client: openai.OpenAI) -> str:
     """The id of the served model, as /v1/models lists it."""
-    return client.models.list().data[0].id
+    return openai_client.models.list().data[0].id
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI, service_model_dir: object) -> None:
-    assert [m.id for m in client.models.list().data] == [str(service_model_dir)]
+def test_models_lists_the_served_model(openai_client: openai.OpenAI, service_model_dir: object) -> None:
+    assert [m.id for m in openai_client.models.list().data] == [str(service_model_dir)]
 
 
 def test_completion_has_text_usage_and_is_a_job(
-    client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
 ) -> None:
-    completion = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=MAX_TOKENS,
+    completion = openai_client.completions.create(model=model, prompt="The quick brown fox", max_tokens=MAX_TOKENS,
                                            temperature=0.0, user="alice")
     (choice,) = completion.choices
     assert completion.object == "text_completion" and choice.finish_reason in {"stop", "length"}
@@ -50,8 +40,8 @@ def test_completion_has_text_usage_and_is_a_job(
     assert job["metadata"]["user"] == "alice" and job["params"]["temperature"] == 0.0
 
 
-def test_completion_with_n_and_logprobs(client: openai.OpenAI, model: str) -> None:
-    completion = client.completions.create(model=model, prompt="Count: one two", max_tokens=4, n=2, seed=3,
+def test_completion_with_n_and_logprobs(openai_client: openai.OpenAI, model: str) -> None:
+    completion = openai_client.completions.create(model=model, prompt="Count: one two", max_tokens=4, n=2, seed=3,
                                            logprobs=2, stop=["\n\n"], temperature=1.0)
     assert [c.index for c in completion.choices] == [0, 1]
     for choice in completion.choices:
@@ -60,8 +50,8 @@ def test_completion_with_n_and_logprobs(client: openai.OpenAI, model: str) -> No
         assert "".join(choice.logprobs.tokens) == choice.text
 
 
-def test_chat_completion_answers_with_an_assistant_message(client: openai.OpenAI, model: str) -> None:
-    chat = client.chat.completions.create(
+def test_chat_completion_answers_with_an_assistant_message(openai_client: openai.OpenAI, model: str) -> None:
+    chat = openai_client.chat.completions.create(
         model=model, max_completion_tokens=MAX_TOKENS, temperature=0.0, logprobs=True, top_logprobs=1,
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
     )
@@ -74,20 +64,21 @@ def test_chat_completion_answers_with_an_assistant_message(client: openai.OpenAI
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streamed_text_equals_non_streamed_text_for_the_same_seed(
-    client: openai.OpenAI, model: str, endpoint: str
+    openai_client: openai.OpenAI, model: str, endpoint: str
 ) -> None:
     params = {"model": model, "max_tokens": 24, "temperature": 0.9, "seed": 1234}
+    usage = {"include_usage": True}
     if endpoint == "chat":
         params["messages"] = [{"role": "user", "content": "Tell me a story"}]
-        whole = client.chat.completions.create(**params).choices[0].message.content
-        chunks = list(client.chat.completions.create(**params, stream=True, stream_options={"include_usage": True}))
+        whole = openai_client.chat.completions.create(**params).choices[0].message.content
+        chunks = list(openai_client.chat.completions.create(**params, stream=True, stream_options=usage))
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in {"stop", "length"}
     else:
         params["prompt"] = "Once upon a time"
-        whole = client.completions.create(**params).choices[0].text
-        chunks = list(client.completions.create(**params, stream=True, stream_options={"include_usage": True}))
+        whole = openai_client.completions.create(**params).choices[0].text
+        chunks = list(openai_client.completions.create(**params, stream=True, stream_options=usage))
         streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert len(chunks) > 3 and streamed == whole
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
@@ -100,24 +91,24 @@ def test_stream_ends_with_done(live_api: str, auth_headers: dict[str, str], mode
     assert r.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
 
 
-def test_an_invalid_parameter_raises_bad_request_naming_it(client: openai.OpenAI, model: str) -> None:
+def test_an_invalid_parameter_raises_bad_request_naming_it(openai_client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=model, prompt="Hi", max_tokens=4, temperature=-1)
+        openai_client.completions.create(model=model, prompt="Hi", max_tokens=4, temperature=-1)
     assert raised.value.param == "temperature" and "temperature" in raised.value.message
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "x"}])
+        openai_client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "x"}])
     assert raised.value.param == "messages.0.role"
 
 
-def test_a_prompt_too_long_for_the_context_is_a_bad_request(client: openai.OpenAI, model: str) -> None:
+def test_a_prompt_too_long_for_the_context_is_a_bad_request(openai_client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=model, prompt="word " * 600, max_tokens=4)
+        openai_client.completions.create(model=model, prompt="word " * 600, max_tokens=4)
     assert raised.value.param == "prompt" and "context" in raised.value.message
 
 
-def test_an_unknown_model_raises_not_found(client: openai.OpenAI) -> None:
+def test_an_unknown_model_raises_not_found(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as raised:
-        client.completions.create(model="gpt-nonexistent", prompt="Hi", max_tokens=4)
+        openai_client.completions.create(model="gpt-nonexistent", prompt="Hi", max_tokens=4)
     assert raised.value.code == "model_not_found" and raised.value.param == "model"
 
 
