@@ -69,9 +69,9 @@ class WorkerMetrics:
             self.kv_cache_usage.labels(pool)
         for state in ("free", "used", "cached"):
             self.kv_cache_blocks.labels(state)
-        for _attr, labels in _COUNTER_SOURCES.values():
+        for attr, labels in _COUNTER_SOURCES.values():
             if labels:
-                getattr(self, _attr).labels(*labels)
+                getattr(self, attr).labels(*labels)
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)
 
