@@ -93,6 +93,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
             )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so that every running sequence can decode each step"
+            )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -26,8 +26,8 @@ def greedy_tokens(folder: Path, backend: str, **kwargs: object) -> list[list[int
 
 def test_triton_and_torch_backends_agree(tiny_model_dir: Path) -> None:
     # 8-token blocks and 8-token prefill chunks exercise decode, chunked prefill over cached blocks
-    expected = greedy_tokens(tiny_model_dir, "torch", block_size=8, max_num_batched_tokens=8)
-    assert greedy_tokens(tiny_model_dir, "triton", block_size=8, max_num_batched_tokens=8) == expected
+    expected = greedy_tokens(tiny_model_dir, "torch", block_size=8, max_num_batched_tokens=8, max_num_seqs=4)
+    assert greedy_tokens(tiny_model_dir, "triton", block_size=8, max_num_batched_tokens=8, max_num_seqs=4) == expected
 
 
 def test_unknown_backend_is_refused(tiny_model_dir: Path) -> None:

@@ -58,7 +58,7 @@ def test_tiny_llama_matches_under_preemption(tiny_model_dir: Path, tiny_referenc
 
 
 def test_chunked_prefill_gives_same_tokens(tiny_model_dir: Path, tiny_reference: list[list[int]]) -> None:
-    tokens, _ = engine_greedy(tiny_model_dir, PROMPTS, 48, kv_cache_memory="8MiB", max_num_batched_tokens=8)
+    tokens, _ = engine_greedy(tiny_model_dir, PROMPTS, 48, kv_cache_memory="8MiB", max_num_batched_tokens=8, max_num_seqs=8)
     assert tokens == tiny_reference
 
 

@@ -107,7 +107,7 @@ def test_prefix_cache_eviction_under_pressure_keeps_outputs(tiny_model_dir: Path
 
 
 def test_running_sequences_decode_every_step_during_a_long_chunked_prefill(tiny_model_dir: Path) -> None:
-    llm = tiny_llm(tiny_model_dir, max_num_batched_tokens=32)
+    llm = tiny_llm(tiny_model_dir, max_num_batched_tokens=32, max_num_seqs=4)
     engine = llm.engine
     engine.add_request("running", PROMPTS[0], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     engine.step()
@@ -121,3 +121,19 @@ def test_running_sequences_decode_every_step_during_a_long_chunked_prefill(tiny_
             break
         prefill_steps += 1
     assert prefill_steps >= len(long_prompt) // 32 - 1  # the prompt really was spread over many steps
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"scheduling_policy": "random"}, "scheduling_policy"),
+        ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+        ({"block_size": 0}, "block_size"),
+        ({"kv_cache_memory": 1000}, "kv_cache_memory"),
+    ],
+)
+def test_bad_engine_arguments_name_the_argument(tiny_model_dir: Path, kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        tiny_llm(tiny_model_dir, **kwargs)
