@@ -17,16 +17,19 @@ logger = logging.getLogger("pagedserve.jobs")
 
 
 def transition(
-    session: Session, job_id: str, to: JobStatus, allowed_from: set[JobStatus], **fields: Any
+    session: Session, job_id: str, to: JobStatus, allowed_from: set[JobStatus],
+    expected: dict[str, Any] | None = None, **fields: Any,
 ) -> Job | None:
-    """Move a job to `to` if it is still in one of `allowed_from`; commit and return it, else None.
+    """Move a job to `to` if it is still in one of `allowed_from` (and has the `expected` column values).
 
-    The UPDATE ... WHERE status IN (...) makes racing writers (a cancel and a worker's result) safe:
-    exactly one wins. A final state also records its webhook delivery in the same transaction.
+    Commits and returns the job, else None. The UPDATE ... WHERE status IN (...) makes racing writers
+    (a cancel and a worker's result) safe: exactly one wins; `expected` (worker_id, attempts) fences off a
+    worker whose job was taken away. A final state also records its webhook delivery in the same transaction.
     """
     if to.is_final:
         fields.setdefault("finished_at", utcnow())
-    stmt = update(Job).where(Job.id == job_id, Job.status.in_(allowed_from)).values(status=to, **fields)
+    guards = [getattr(Job, column) == value for column, value in (expected or {}).items()]
+    stmt = update(Job).where(Job.id == job_id, Job.status.in_(allowed_from), *guards).values(status=to, **fields)
     if session.execute(stmt).rowcount != 1:
         session.rollback()
         return None

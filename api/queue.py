@@ -17,11 +17,21 @@ WEBHOOKS_QUEUE = "pagedserve.webhooks"
 VISIBILITY_TIMEOUT_S = 6 * 3600
 
 
+def broker_key_prefix(settings: Settings) -> str:
+    """The prefix of every Redis key Celery's transport writes."""
+    return settings.redis_key_prefix + "celery:"
+
+
+def broker_queue_key(queue_name: str) -> str:
+    """The Redis list holding a queue's messages that no worker has taken yet."""
+    return broker_key_prefix(get_settings()) + queue_name
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings: late acks so a crashed worker's job is redelivered, one prefetch per free slot."""
     transport = {
         "visibility_timeout": VISIBILITY_TIMEOUT_S,
-        "global_keyprefix": settings.redis_key_prefix + "celery:",
+        "global_keyprefix": broker_key_prefix(settings),
         "unacked_restore_interval": 5,
     }
     return {

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(100 << 20, ge=1024, description="largest file POST /v1/files accepts")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests one OpenAI batch input file may hold")
     openai_timeout_s: float = Field(600.0, gt=0, description="wait for a non-streaming OpenAI job")
+    heartbeat_ttl_s: float = Field(15.0, gt=0, description="a worker silent this long is dead; its jobs are requeued")
+    reaper_interval_s: float = Field(3.0, gt=0, description="how often a worker looks for dead workers' and lost jobs")
+    reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
 
     def resolved_data_dir(self) -> Path:
         """The data directory, expanded and created."""

@@ -10,8 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from api import streams
-
-HEARTBEAT_TTL_S = 15
+from api.settings import get_settings
 
 
 @lru_cache(maxsize=1)
@@ -25,12 +24,15 @@ def heartbeat_key(worker: str) -> str:
     return streams.key("worker", worker)
 
 
-def beat(stats: dict[str, Any]) -> None:
-    """Record that this worker is alive, with its latest engine stats."""
+def beat(stats: dict[str, Any] | None = None) -> None:
+    """Record that this worker is alive, with its latest engine stats when given."""
     client = streams.redis_client()
     key = heartbeat_key(worker_id())
-    client.hset(key, mapping={"stats": json.dumps(stats), "updated_at": f"{time.time():.3f}"})
-    client.expire(key, HEARTBEAT_TTL_S)
+    fields = {"updated_at": f"{time.time():.3f}"} | ({"stats": json.dumps(stats)} if stats is not None else {})
+    pipe = client.pipeline()
+    pipe.hset(key, mapping=fields)
+    pipe.pexpire(key, int(get_settings().heartbeat_ttl_s * 1000))
+    pipe.execute()
 
 
 def is_alive(worker: str) -> bool:

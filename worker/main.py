@@ -6,6 +6,7 @@ from api.queue import JOBS_QUEUE, WEBHOOKS_QUEUE, celery_app
 from api.settings import Settings, configure
 from worker import heartbeat
 from worker.metrics import serve_metrics
+from worker.reaper import Reaper
 from worker.service import engine_service
 
 
@@ -14,6 +15,7 @@ def run_worker(settings: Settings) -> None:
     configure(settings)
     engine_service()  # load the model before taking work
     serve_metrics(settings.metrics_port)
+    Reaper().start()
     import worker.tasks  # noqa: F401  (registers the tasks)
 
     celery_app().worker_main([

@@ -81,10 +81,13 @@ def _choices(output: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _finish(job_id: str, to: JobStatus, **fields: Any) -> None:
+def _finish(job: Job, to: JobStatus, **fields: Any) -> None:
+    # Fenced by worker and attempt: a result from a run the reaper took away is dropped, not recorded.
+    expected = {"worker_id": job.worker_id, "attempts": job.attempts}
     with session_factory()() as session:
-        if transition(session, job_id, to, {JobStatus.running}, **fields) is None:
-            log_event(logger, "job.result_dropped", job_id=job_id, reason="no longer running (cancelled)")
+        if transition(session, job.id, to, {JobStatus.running}, expected, **fields) is None:
+            log_event(logger, "job.result_dropped", job_id=job.id, attempt=job.attempts,
+                      reason="no longer this run's (cancelled or requeued)")
 
 
 def _mark_first_token(job_id: str) -> None:
@@ -102,7 +105,7 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
     try:
         params = sampling_params_cls(**job.params)
     except (TypeError, ValueError) as exc:
-        _finish(job_id, JobStatus.failed, error=f"invalid sampling parameters: {exc}")
+        _finish(job, JobStatus.failed, error=f"invalid sampling parameters: {exc}")
         return
     request_id = f"{job_id}#{job.attempts}"
     handle = service.submit(request_id, job.prompt, params, job.priority)
@@ -121,7 +124,7 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
         except queue.Empty:
             continue
         if isinstance(item, Exception):
-            _finish(job_id, JobStatus.failed, error=str(item))
+            _finish(job, JobStatus.failed, error=str(item))
             return
         deltas = progress.deltas(item)
         if deltas:
@@ -132,6 +135,6 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
         if item.finished:
             choices = _choices(item)
             completion_tokens = sum(len(c["token_ids"]) for c in choices)
-            _finish(job_id, JobStatus.succeeded, output=choices, completion_tokens=completion_tokens,
+            _finish(job, JobStatus.succeeded, output=choices, completion_tokens=completion_tokens,
                     prompt_tokens=len(item.prompt_token_ids))
             return

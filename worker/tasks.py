@@ -10,7 +10,7 @@ from api.lifecycle import transition
 from api.db import session_factory
 from api.models import JobStatus
 from api.queue import DELIVER_WEBHOOK_TASK, RUN_JOB_TASK
-from worker import webhooks
+from worker import heartbeat, webhooks
 from worker.runner import run_job as run_job_in_engine
 from worker.service import engine_service, sampling_params_class
 
@@ -25,7 +25,8 @@ def run_job(job_id: str) -> None:
     except Exception as exc:  # record the failure rather than leave the job running forever
         logger.exception("job.failed_unexpectedly job_id=%s", job_id)
         with session_factory()() as session:
-            transition(session, job_id, JobStatus.failed, {JobStatus.running}, error=f"internal error: {exc!r}")
+            transition(session, job_id, JobStatus.failed, {JobStatus.running}, {"worker_id": heartbeat.worker_id()},
+                       error=f"internal error: {exc!r}")
 
 
 @shared_task(name=DELIVER_WEBHOOK_TASK)

@@ -1,0 +1,144 @@
+"""Recovery of lost work, run in every worker, one at a time under a Redis lock.
+
+The reaper puts jobs held by a dead worker (heartbeat expired) back on the queue; the reconciler
+re-enqueues queued jobs and pending webhook deliveries whose broker message was lost (Redis restarted
+empty, or the message sits unacked with a dead worker). A duplicate message is harmless: a job starts
+only through the compare-and-set claim, so at most one run of it is live.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api import queue, streams
+from api.db import session_factory
+from api.errors import log_event
+from api.lifecycle import transition
+from api.models import DeliveryStatus, Job, JobStatus, WebhookDelivery, utcnow
+from api.settings import get_settings
+from worker import heartbeat
+from worker.webhooks import backoff_s
+
+logger = logging.getLogger("pagedserve.reaper")
+
+
+def _ready_job_ids() -> set[str]:
+    """Job ids of the run-job messages waiting in the broker's queue (not yet taken by any worker)."""
+    raw_messages = streams.redis_client().lrange(queue.broker_queue_key(queue.JOBS_QUEUE), 0, -1)
+    ids = set()
+    for raw in raw_messages:
+        args = json.loads(base64.b64decode(json.loads(raw)["body"]))[0]
+        ids.update(str(arg) for arg in args[:1])
+    return ids
+
+
+def _claim_requeue(kind: str, item_id: str) -> bool:
+    """Whether this item may be re-enqueued now: at most once per grace period, whoever reconciles."""
+    grace_ms = int(get_settings().reconcile_grace_s * 1000)
+    return bool(streams.redis_client().set(streams.key("requeued", kind, item_id), "1", nx=True, px=grace_ms))
+
+
+class Reaper:
+    """One worker's recovery loop; `run_once` is a whole pass (tests call it directly)."""
+
+    def __init__(self) -> None:
+        self._missing_since: dict[str, float] = {}  # worker id → when this reaper first saw its heartbeat gone
+        self._stopping = threading.Event()
+
+    def start(self) -> Reaper:
+        """Run passes every reaper_interval_s on a daemon thread until stopped."""
+        threading.Thread(target=self._loop, name="reaper", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """End the loop after the current pass."""
+        self._stopping.set()
+
+    def _loop(self) -> None:
+        while not self._stopping.wait(get_settings().reaper_interval_s):
+            try:
+                heartbeat.beat()  # a second beat source, independent of the engine thread's pace
+                if self._hold_lock():
+                    self.run_once()
+            except Exception as exc:  # Redis or the store down: try again next interval
+                log_event(logger, "reaper.pass_failed", error=repr(exc))
+
+    def _hold_lock(self) -> bool:
+        """Take or keep the reaper lock; the holder keeps it while alive, another takes over after it dies."""
+        client = streams.redis_client()
+        lock, me = streams.key("reaper", "lock"), heartbeat.worker_id()
+        ttl_ms = int(get_settings().reaper_interval_s * 3000)
+        if client.set(lock, me, nx=True, px=ttl_ms) or client.get(lock) == me:
+            client.pexpire(lock, ttl_ms)
+            return True
+        return False
+
+    def run_once(self) -> dict[str, list[str]]:
+        """One pass: requeue dead workers' jobs, then re-enqueue lost jobs and deliveries; returns the ids."""
+        with session_factory()() as session:
+            return {
+                "requeued": self.requeue_dead_workers_jobs(session),
+                "reenqueued": reenqueue_lost_jobs(session),
+                "redelivered": reenqueue_overdue_deliveries(session),
+            }
+
+    def _dead_workers(self, worker_ids: set[str]) -> set[str]:
+        # Dead = heartbeat missing on two passes at least one beat interval apart, so a Redis restart that
+        # wiped every heartbeat does not make live workers look dead before they beat again.
+        now, confirm_s = time.monotonic(), get_settings().reaper_interval_s
+        alive = {w for w in worker_ids if heartbeat.is_alive(w)}
+        self._missing_since = {w: self._missing_since.get(w, now) for w in worker_ids - alive}
+        return {w for w, since in self._missing_since.items() if now - since >= confirm_s}
+
+    def requeue_dead_workers_jobs(self, session: Session) -> list[str]:
+        """Put running jobs whose worker is dead back to queued and on the queue."""
+        running = session.execute(select(Job.id, Job.worker_id).where(Job.status == JobStatus.running)).all()
+        dead = self._dead_workers({worker for _, worker in running if worker})
+        requeued = []
+        for job_id, worker in running:
+            if worker not in dead:
+                continue
+            job = transition(session, job_id, JobStatus.queued, {JobStatus.running}, {"worker_id": worker},
+                             worker_id=None, started_at=None, first_token_at=None)
+            if job is not None:
+                log_event(logger, "job.requeued", job_id=job_id, dead_worker=worker, attempts=job.attempts)
+                queue.enqueue_job(job_id)
+                requeued.append(job_id)
+        return requeued
+
+
+def reenqueue_lost_jobs(session: Session) -> list[str]:
+    """Re-enqueue jobs queued longer than the grace period whose message is not in the broker's queue."""
+    cutoff = utcnow() - timedelta(seconds=get_settings().reconcile_grace_s)
+    stale = set(session.scalars(select(Job.id).where(Job.status == JobStatus.queued, Job.created_at < cutoff)))
+    if not stale:
+        return []
+    lost = sorted(stale - _ready_job_ids())
+    reenqueued = [job_id for job_id in lost if _claim_requeue("job", job_id)]
+    for job_id in reenqueued:
+        log_event(logger, "job.reenqueued", job_id=job_id, reason="queued in the store, missing from the broker")
+        queue.enqueue_job(job_id)
+    return reenqueued
+
+
+def reenqueue_overdue_deliveries(session: Session) -> list[str]:
+    """Re-enqueue pending webhook deliveries whose next attempt is overdue by more than the grace period."""
+    grace = timedelta(seconds=get_settings().reconcile_grace_s)
+    pending = session.scalars(select(WebhookDelivery).where(WebhookDelivery.status == DeliveryStatus.pending))
+    redelivered = []
+    for delivery in pending:
+        last = delivery.attempts[-1].created_at if delivery.attempts else delivery.created_at
+        delay = timedelta(seconds=backoff_s(delivery.num_attempts)) if delivery.num_attempts else timedelta()
+        if utcnow() > last + delay + grace and _claim_requeue("delivery", delivery.id):
+            log_event(logger, "webhook.reenqueued", delivery_id=delivery.id, job_id=delivery.job_id)
+            queue.enqueue_webhook(delivery.id)
+            redelivered.append(delivery.id)
+    return redelivered
