@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from api.db import get_session
 from api.models import ApiKey
+from api.ratelimit import check_request_rate
 
 TOKEN_PREFIX = "psk"
 _bearer = HTTPBearer(auto_error=False, description="API key created by `pagedserve create-key`")
@@ -49,7 +50,7 @@ def require_api_key(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     session: Annotated[Session, Depends(get_session)],
 ) -> ApiKey:
-    """FastAPI dependency: the caller's API key, or 401."""
+    """FastAPI dependency: the caller's API key, or 401 (429 past the key's request rate)."""
     key = find_api_key(session, credentials.credentials) if credentials else None
     if key is None:
         raise HTTPException(
@@ -57,6 +58,7 @@ def require_api_key(
             detail="missing or invalid API key: send 'Authorization: Bearer <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    check_request_rate(key)
     return key
 
 

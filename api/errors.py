@@ -8,16 +8,22 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+
+STORE_RETRY_AFTER_S = 5
 
 
 class ApiError(Exception):
     """A client error with its HTTP status and, where one field is to blame, that field's name."""
 
-    def __init__(self, status_code: int, message: str, field: str | None = None) -> None:
+    def __init__(
+        self, status_code: int, message: str, field: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.field = field
+        self.headers = headers
 
 
 def log_event(logger: logging.Logger, event: str, **fields: Any) -> None:
@@ -30,15 +36,23 @@ def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(parts) or "body"
 
 
-def _error_response(status_code: int, message: str, field: str | None, detail: Any = None) -> JSONResponse:
+def _error_response(
+    status_code: int, message: str, field: str | None, detail: Any = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body: dict[str, Any] = {"error": {"message": message, "field": field, "status": status_code}}
     body["detail"] = detail if detail is not None else message
-    return JSONResponse(body, status_code=status_code)
+    return JSONResponse(body, status_code=status_code, headers=headers)
 
 
 async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return _error_response(exc.status_code, exc.message, exc.field)
+    return _error_response(exc.status_code, exc.message, exc.field, headers=exc.headers)
+
+
+async def _store_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    logging.getLogger("pagedserve.api").warning("store.unavailable error=%s", exc.__class__.__name__)
+    message = "the job store (database) is unavailable right now; retry in a few seconds"
+    return _error_response(503, message, None, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -54,3 +68,4 @@ def install_error_handlers(app: FastAPI) -> None:
     """Render ApiError and validation errors as {error: {message, field, status}, detail}."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(OperationalError, _store_unavailable)

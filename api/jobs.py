@@ -16,6 +16,7 @@ from api.errors import ApiError
 from api.lifecycle import job_created, transition
 from api.models import ApiKey, Job, JobStatus
 from api.prompts import prompt_model
+from api.ratelimit import check_inflight
 from api.schemas import JobCreate
 from api.settings import get_settings
 from api.webhook_urls import check_webhook_url
@@ -62,6 +63,7 @@ def create_job(session: Session, key: ApiKey, body: JobCreate, idempotency_key: 
         if existing is not None:
             return existing, False
         job.idempotency_key, job.request_hash = idempotency_key, _request_hash(body)
+    check_inflight(session, key)
     session.add(job)
     try:
         session.commit()
@@ -87,6 +89,7 @@ def _idempotent_match(session: Session, key: ApiKey, idempotency_key: str, reque
 def create_jobs(session: Session, key: ApiKey, bodies: list[JobCreate]) -> list[Job]:
     """Persist and enqueue many jobs in one transaction: all are accepted or none."""
     jobs = [build_job(key, body, field_prefix=f"jobs.{i}.") for i, body in enumerate(bodies)]
+    check_inflight(session, key, len(jobs))
     session.add_all(jobs)
     session.commit()
     for job in jobs:

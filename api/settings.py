@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="a worker silent this long is dead; its jobs are requeued")
     reaper_interval_s: float = Field(3.0, gt=0, description="how often a worker looks for dead workers' and lost jobs")
     reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
+    rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
+    max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
 
     def resolved_data_dir(self) -> Path:
         """The data directory, expanded and created."""
