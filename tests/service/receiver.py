@@ -18,8 +18,9 @@ class Received:
 
 @dataclass
 class WebhookReceiver:
-    """Serves on 127.0.0.1; answers `statuses` in order, then 200."""
+    """Serves on 127.0.0.1 (on `port`, or any free one when 0); answers `statuses` in order, then 200."""
 
+    port: int = 0
     statuses: list[int] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
@@ -46,7 +47,7 @@ class WebhookReceiver:
             def log_message(self, *args: object) -> None:
                 return
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
