@@ -10,7 +10,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, PagedAttention
-from engine.models.rotary import RotaryEmbedding
+from engine.models.rotary import RotaryEmbedding, apply_rotary
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +46,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
+        self, hidden: torch.Tensor, cos_sin: CosSin,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -52,7 +54,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -69,7 +71,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -83,10 +85,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
+        self, hidden: torch.Tensor, cos_sin: CosSin,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, positions, kv_cache, meta)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -113,8 +115,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` for the flattened batch."""
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.table(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, self.rotary, positions, kv_cache, meta)
+            hidden = layer(hidden, cos_sin, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

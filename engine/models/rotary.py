@@ -46,10 +46,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query [T, H, D]`` and ``key [T, KV, D]`` rotated by their positions."""
-        cos = self.cos[positions].to(query.dtype)[:, None, :]
-        sin = self.sin[positions].to(query.dtype)[:, None, :]
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows ``[T, 1, D]`` for the step's positions (looked up once, used by every layer)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    query: torch.Tensor, key: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query [T, H, D]`` and ``key [T, KV, D]`` rotated by their positions' cos/sin rows."""
+    cos, sin = cos_sin
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
