@@ -1,0 +1,63 @@
+"""Engine pressure through the worker: a burst larger than KV plus swap waits or swaps; what can never fit fails clearly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.settings import Settings
+from engine import LLMEngine, SamplingParams
+from worker.engine_service import EngineService
+from worker.runner import run_job
+
+# The tiny Llama holds 512 bytes of fp32 KV per token: 12 device blocks and 8 swap blocks of 16 tokens.
+KV_CACHE_MEMORY, SWAP_SPACE = "96KiB", "64KiB"
+
+
+@pytest.fixture(scope="module")
+def database_url(sqlite_url: str) -> str:
+    """The store does not matter here: SQLite only."""
+    return sqlite_url
+
+
+@pytest.fixture(scope="module")
+def small_service(service_model_dir: Path) -> Iterator[EngineService]:
+    """An engine service whose KV cache and swap pool together hold 320 tokens."""
+    engine = LLMEngine.from_kwargs(model=str(service_model_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY,
+                                   swap_space=SWAP_SPACE, max_num_seqs=16, preemption_mode="swap")
+    service = EngineService(engine).start()
+    yield service
+    service.stop()
+
+
+def _run_all(settings: Settings, headers: dict[str, str], service: EngineService, bodies: list[dict]) -> list[dict]:
+    client = TestClient(create_app(settings))
+    job_ids = [client.post("/v1/jobs", json=body, headers=headers).json()["id"] for body in bodies]
+    with ThreadPoolExecutor(max_workers=len(job_ids)) as pool:
+        list(pool.map(lambda job_id: run_job(job_id, service, SamplingParams), job_ids))
+    return [client.get(f"/v1/jobs/{job_id}", headers=headers).json() for job_id in job_ids]
+
+
+def test_a_burst_larger_than_kv_and_swap_completes(
+    small_service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    bodies = [{"prompt": f"Pressure {i}", "max_tokens": 60, "ignore_eos": True} for i in range(12)]
+    jobs = _run_all(service_settings, auth_headers, small_service, bodies)
+    assert [job["status"] for job in jobs] == ["succeeded"] * 12
+    assert all(job["completion_tokens"] == 60 for job in jobs)
+    stats = small_service.engine.stats()
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+
+
+def test_a_request_that_can_never_fit_fails_with_a_clear_error(
+    small_service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    bodies = [{"prompt": "Too long to ever fit", "max_tokens": 300}, {"prompt": "Fits", "max_tokens": 4}]
+    never, fits = _run_all(service_settings, auth_headers, small_service, bodies)
+    assert never["status"] == "failed" and "KV blocks but kv_cache_memory holds" in never["error"]
+    assert fits["status"] == "succeeded"
