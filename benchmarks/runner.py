@@ -13,6 +13,12 @@ from benchmarks.workloads import Request
 from engine import SamplingParams
 
 OnAdd = Callable[[Any, str, Request], None]
+MakeParams = Callable[[int, Request], SamplingParams]
+
+
+def greedy_params(index: int, request: Request) -> SamplingParams:
+    """Greedy decoding of exactly the request's output length (EOS ignored)."""
+    return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
 
 
 @dataclass(slots=True)
@@ -67,8 +73,8 @@ def probe_steps(engine: Any, samples: StepSamples) -> None:
 
 
 def run_engine(
-    engine: Any, requests: list[Request], arrivals: list[float] | None = None, n: int = 1,
-    on_add: OnAdd | None = None, desc: str = "pagedserve",
+    engine: Any, requests: list[Request], arrivals: list[float] | None = None,
+    make_params: MakeParams = greedy_params, on_add: OnAdd | None = None, desc: str = "pagedserve",
 ) -> EngineRun:
     """Feed ``requests`` (all at once, or at ``arrivals`` offsets in seconds) and step to completion."""
     samples = StepSamples()
@@ -83,8 +89,7 @@ def run_engine(
             now = time.monotonic() - start
             while next_request < len(requests) and offsets[next_request] <= now:
                 request = requests[next_request]
-                params = SamplingParams(max_tokens=request.output_len, temperature=1.0 if n > 1 else 0.0,
-                                        ignore_eos=True, n=n, seed=next_request)
+                params = make_params(next_request, request)
                 engine.add_request(str(next_request), request.prompt_token_ids, params)
                 if on_add is not None:
                     on_add(engine, str(next_request), request)

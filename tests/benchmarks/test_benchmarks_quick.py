@@ -45,10 +45,10 @@ def test_latency_reports_percentiles_per_system_and_rate(tiny_model_dir: Path, t
         assert 0 < row["p50_ttft_s"] <= row["p99_ttft_s"]
 
 
-def test_sharing_saves_blocks_for_parallel_samples_and_prefixes(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sharing_saves_blocks_for_samples_beams_and_prefixes(tiny_model_dir: Path, tmp_path: Path) -> None:
     sharing.main(_argv(tiny_model_dir, tmp_path))
     payload = _written(tmp_path, "sharing")
-    assert "beam search" not in payload["results"] and "skipped" in payload["beam_search"]
+    assert [row["scenario"] for row in payload["results"]] == ["parallel n=2", "beam width=2", "shared prefix 1-shot"]
     for row in payload["results"]:
         assert row["mean_blocks_shared"] <= row["mean_blocks_unshared"]
         assert 0 <= row["saving_percent"] < 100
