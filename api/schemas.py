@@ -33,6 +33,8 @@ class SamplingParamsIn(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    beam_width: int = Field(1, ge=1, le=16, description="beam search with this many beams when > 1")
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="beam score = logprob / length**penalty")
 
     @field_validator("top_k")
     @classmethod
@@ -59,6 +61,8 @@ class SamplingParamsIn(BaseModel):
     def _min_below_max(self) -> SamplingParamsIn:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.beam_width > 1 and self.n != 1:
+            raise ValueError(f"n must be 1 with beam search (beam_width best beams are returned), got {self.n}")
         return self
 
 

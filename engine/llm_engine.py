@@ -312,8 +312,8 @@ class LLMEngine:
         ]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
-        if group.params.is_beam_search and group.is_finished:
-            return self._request_output(group, self._beam_outputs(group))
+        if group.params.is_beam_search:  # beams reorder every step: report them once, when final
+            return self._request_output(group, self._beam_outputs(group) if group.is_finished else [])
         want_logprobs = group.params.logprobs is not None
         outputs = [
             CompletionOutput(

@@ -79,3 +79,24 @@ def test_cancelling_a_running_job_aborts_it_within_a_second(
     job = _job(service_settings, auth_headers, job_id)
     assert job["status"] == "cancelled" and job["choices"] is None
 
+
+
+def test_beam_search_job_returns_its_beams_best_first(
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    job_id = _submit(service_settings, auth_headers, prompt="Once upon a time", max_tokens=6, beam_width=3,
+                     temperature=0.0, ignore_eos=True)
+    run_job(job_id, service, SamplingParams)
+    job = _job(service_settings, auth_headers, job_id)
+    assert job["status"] == "succeeded"
+    assert len(job["choices"]) == 3 and all(len(c["token_ids"]) == 6 for c in job["choices"])
+    assert len({tuple(c["token_ids"]) for c in job["choices"]}) == 3
+
+
+def test_beam_search_with_several_samples_is_refused(
+    service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    response = TestClient(create_app(service_settings)).post(
+        "/v1/jobs", json={"prompt": "x", "beam_width": 2, "n": 2}, headers=auth_headers
+    )
+    assert response.status_code == 422 and "beam" in response.text
