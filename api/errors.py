@@ -46,7 +46,10 @@ def _error_response(
 
 async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return _error_response(exc.status_code, exc.message, exc.field, headers=exc.headers)
+    # A 422's detail keeps the shape FastAPI documents for every 422 (a list of {loc, msg, type}).
+    detail = [{"loc": [exc.field or "body"], "msg": exc.message, "type": "value_error"}] \
+        if exc.status_code == 422 else None
+    return _error_response(exc.status_code, exc.message, exc.field, detail, headers=exc.headers)
 
 
 async def _store_unavailable(_request: Request, exc: Exception) -> JSONResponse:
