@@ -200,7 +200,7 @@ class LLMEngine:
         suppressed: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
             suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-        return SamplingRow(params, group.generator, seq.token_ids[: seq.prompt_len], seq.output_token_ids, suppressed)
+        return SamplingRow(params, group.generator, seq.token_ids, seq.prompt_len, suppressed)
 
     def _append_samples(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> None:
         row_of_logits: list[int] = []
@@ -223,8 +223,14 @@ class LLMEngine:
                 targets.append((group, target))
         now = time.monotonic()
         for rows_of_group in beam_rows.values():
-            self._advance_beams(sampled[rows_of_group[0]].group, [sampled[i].seq for i in rows_of_group],
-                                logits[rows_of_group], now)
+            group = sampled[rows_of_group[0]].group
+            pending = group.pending_beam_logits
+            pending.update((sampled[i].seq.seq_id, logits[i]) for i in rows_of_group)
+            beams = group.seqs_with_status(SequenceStatus.RUNNING)
+            if len(pending) < len(beams):  # after a recompute, beams may catch up in different steps
+                continue
+            beam_logits = torch.stack([pending.pop(beam.seq_id) for beam in beams])
+            self._advance_beams(group, beams, beam_logits, now)
         if not targets:
             return
         rows = [self._sampling_row(group, seq) for group, seq in targets]

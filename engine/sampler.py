@@ -15,8 +15,8 @@ class SamplingRow:
 
     params: SamplingParams
     generator: torch.Generator
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # prompt + output, read only when penalties need them
+    prompt_len: int
     suppressed_token_ids: list[int]
 
 
@@ -31,12 +31,13 @@ class SampleResult:
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     """Repetition (prompt + output, multiplicative) and presence/frequency (output) penalties."""
     params = row.params
+    output_token_ids = row.token_ids[row.prompt_len :]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=logits.shape[0])
+    if (params.presence_penalty or params.frequency_penalty) and output_token_ids:
+        counts = torch.bincount(torch.tensor(output_token_ids, dtype=torch.long), minlength=logits.shape[0])
         counts = counts[: logits.shape[0]].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 

@@ -106,6 +106,8 @@ class SequenceGroup:
     finished_time: float | None = None
     generator: torch.Generator | None = None
     beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
+    # next-token logits of beams that finished recomputing before their siblings did
+    pending_beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def create(

@@ -137,3 +137,16 @@ def test_running_sequences_decode_every_step_during_a_long_chunked_prefill(tiny_
 def test_bad_engine_arguments_name_the_argument(tiny_model_dir: Path, kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         tiny_llm(tiny_model_dir, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_beam_search_survives_preemption(tiny_model_dir: Path, mode: str) -> None:
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    reference = tiny_llm(tiny_model_dir).beam_search(PROMPTS, beam_width=3, max_tokens=24, ignore_eos=True,
+                                                     use_tqdm=False)
+    tight = tiny_llm(tiny_model_dir, kv_cache_memory=10 * block_bytes, watermark=0.0, preemption_mode=mode,
+                     max_num_batched_tokens=8, max_num_seqs=8)
+    outputs = tight.beam_search(PROMPTS, beam_width=3, max_tokens=24, ignore_eos=True, use_tqdm=False)
+    assert tight.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    assert tight.stats().num_free_blocks == tight.stats().num_total_blocks
