@@ -39,7 +39,7 @@ def test_sigkilled_worker_jobs_finish_once_on_another_worker(
 ) -> None:
     doomed = service_procs.start_worker()
     prompt = "Fault-tolerance job number {}"
-    bodies = [{"prompt": prompt.format(i), "max_tokens": 400, "ignore_eos": True, "temperature": 0.0,
+    bodies = [{"prompt": prompt.format(i), "max_tokens": 240, "ignore_eos": True, "temperature": 0.0,
                "webhook_url": webhook_receiver.url} for i in range(24)]
     with httpx.Client(base_url=service_procs.api_url, headers=auth_headers, timeout=30) as client:
         job_ids = _submit_all(client, bodies)
@@ -61,7 +61,7 @@ def test_sigkilled_worker_jobs_finish_once_on_another_worker(
         deliveries = {j: client.get(f"/v1/jobs/{j}/webhooks").json() for j in job_ids}
     assert in_flight and requeued_after_s < REAP_DEADLINE_S
     assert {job["status"] for job in finals} == {"succeeded"}
-    assert all(len(job["choices"][0]["token_ids"]) == 400 for job in finals)  # started over, not resumed twice
+    assert all(len(job["choices"][0]["token_ids"]) == 240 for job in finals)  # started over, not resumed twice
     assert {job["id"]: job["attempts"] for job in finals if job["id"] in in_flight} == dict.fromkeys(in_flight, 2)
     assert all(job["worker_id"] != doomed_id for job in finals if job["id"] in in_flight)
     assert all([d["status"] for d in deliveries[j]] == ["delivered"] for j in job_ids)
