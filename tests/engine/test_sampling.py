@@ -160,5 +160,22 @@ def test_bad_prompts_are_refused(llm: LLM) -> None:
         llm.generate(["word " * 600], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="model"):
         LLM(model="no-such-model")
+    with pytest.raises(ValueError, match="model"):
+        LLM(model="/nonexistent/weights.gguf")
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
     assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
     assert greedy(llm, max_tokens=3).finish_reason == "length"
+
+
+def test_chat_applies_the_chat_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    chat = llm.chat(messages, params, use_tqdm=False)[0]
+    rendered = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "What is two plus two?" in rendered and rendered != messages[0]["content"]
+    assert chat.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    direct = llm.generate([chat.prompt_token_ids], params, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([{"content": "no role"}], params)
