@@ -30,9 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_args(parser)
     parser.set_defaults(scale=1.0)
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--n", type=int, nargs="+", default=[2, 4, 6], help="parallel samples per request")
-    parser.add_argument("--beam-widths", type=int, nargs="+", default=[2, 4, 6])
-    parser.add_argument("--prefix-shots", type=int, nargs="+", default=[1, 5], choices=[1, 5])
+    parser.add_argument("--n", type=int, nargs="*", default=[2, 4, 6], help="parallel samples per request")
+    parser.add_argument("--beam-widths", type=int, nargs="*", default=[2, 4, 6])
+    parser.add_argument("--prefix-shots", type=int, nargs="*", default=[1, 5], choices=[1, 5])
     args = parser.parse_args(argv)
     if args.quick:
         args.num_requests, args.scale, args.kv_cache_tokens, args.n, args.prefix_shots = 3, 0.5, 512, [2], [1]
