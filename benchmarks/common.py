@@ -26,7 +26,8 @@ console = Console(width=200)
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Options every benchmark takes: model, dtype, engine limits, scale, seed, output folder."""
     parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or HF folder")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: what the engine picks on this machine (bf16 only where it is fast)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-tokens", type=int, default=4096, help="KV budget, in token slots")

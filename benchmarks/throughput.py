@@ -18,6 +18,7 @@ from benchmarks.baselines import hf, orca
 from benchmarks.common import add_common_args, build_llm, machine, print_table, save_bar_chart, write_json
 from benchmarks.runner import run_engine, summarize
 from benchmarks.workloads import DATASETS, Request, corpus_token_ids, make_requests, max_seq_len
+from engine.config import resolve_dtype
 from engine.model_files import load_tokenizer, resolve_model
 
 SYSTEMS = ["pagedserve", "orca-oracle", "orca-pow2", "orca-max", "hf-static", "hf-continuous"]
@@ -56,7 +57,7 @@ def run_paged(args: argparse.Namespace, system: str, requests: list[Request]) ->
 
 def run_hf(args: argparse.Namespace, system: str, requests: list[Request], pad_id: int) -> dict[str, Any]:
     """A transformers baseline; a failure is recorded, not raised."""
-    model = hf.load_hf_model(resolve_model(args.model), getattr(torch, args.dtype))
+    model = hf.load_hf_model(resolve_model(args.model), resolve_dtype(args.dtype, torch.device("cpu")))
     try:
         if system == "hf-static":
             return hf.run_static(model, requests, args.hf_batch_size, pad_id)
