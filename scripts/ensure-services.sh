@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the Redis and PostgreSQL servers the test suite talks to, when they are not running.
+# Start the Redis and PostgreSQL servers the test suite talks to, when they are not running, and install
+# the Prometheus binary the metrics test runs its own server from.
 set -euo pipefail
 
 redis_up() { (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; }
@@ -31,6 +32,10 @@ if ! postgres_up; then
     echo "starting PostgreSQL $version"
     as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start
   fi
+fi
+
+if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
+  as_root apt-get install -y -q --no-install-recommends prometheus >/dev/null || true
 fi
 
 for _ in $(seq 1 30); do

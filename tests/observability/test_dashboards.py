@@ -35,7 +35,8 @@ def exported_metric_names() -> set[str]:
         StoreCollector().describe())
 
 
-def _expressions(dashboard: dict[str, Any]) -> Iterator[str]:
+def dashboard_expressions(dashboard: dict[str, Any]) -> Iterator[str]:
+    """Every PromQL expression of a dashboard: panel targets, then template variable queries."""
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             yield target["expr"]
@@ -54,7 +55,7 @@ def test_the_engine_and_service_dashboards_exist() -> None:
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
 def test_dashboard_uses_only_metrics_the_code_exports(path: Path) -> None:
-    used = {name for expr in _expressions(json.loads(path.read_text())) for name in METRIC_NAME.findall(expr)}
+    used = {name for expr in dashboard_expressions(json.loads(path.read_text())) for name in METRIC_NAME.findall(expr)}
     assert used, "a dashboard without pagedserve metrics"
     assert used - exported_metric_names() == set()
 
@@ -74,7 +75,7 @@ def test_dashboard_is_provisionable_grafana_json(path: Path) -> None:
 
 
 def test_engine_dashboard_shows_every_worker_series_the_issue_names() -> None:
-    used = {n for e in _expressions(json.loads(DASHBOARDS[0].read_text())) for n in METRIC_NAME.findall(e)}
+    used = {n for e in dashboard_expressions(json.loads(DASHBOARDS[0].read_text())) for n in METRIC_NAME.findall(e)}
     for name in ("kv_cache_usage_ratio", "kv_cache_waste_ratio", "kv_cache_blocks", "batch_size_bucket",
                  "num_requests_running", "num_requests_waiting", "num_requests_swapped", "preemptions_total",
                  "swapped_blocks_total", "prompt_tokens_total", "generation_tokens_total",
