@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
@@ -19,6 +22,16 @@ SERVICES = {"postgres", "redis", "migrate", "api", "worker", "worker-cpu", "prom
 def compose() -> dict[str, Any]:
     """The compose file, anchors and merge keys resolved."""
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_file_is_valid_against_the_compose_specification(compose: dict[str, Any]) -> None:
+    schema_file = resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator_class.check_schema(schema)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in validator_class(schema, format_checker=validator_class.FORMAT_CHECKER).iter_errors(compose)]
+    assert errors == []
 
 
 def test_compose_has_the_production_services(compose: dict[str, Any]) -> None:
