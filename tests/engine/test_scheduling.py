@@ -150,3 +150,25 @@ def test_beam_search_survives_preemption(tiny_model_dir: Path, mode: str) -> Non
     assert tight.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     assert tight.stats().num_free_blocks == tight.stats().num_total_blocks
+
+
+def test_abort_frees_blocks_of_running_waiting_and_swapped_requests(tiny_model_dir: Path) -> None:
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    llm = tiny_llm(tiny_model_dir, kv_cache_memory=8 * block_bytes, watermark=0.0, max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", PROMPTS[i % 3] * 2, params)
+    while not engine.scheduler.swapped:
+        engine.step()
+    states = {"running": engine.scheduler.running[0], "swapped": engine.scheduler.swapped[0],
+              "waiting": engine.scheduler.waiting[0]}
+    for group in states.values():
+        engine.abort_request(group.request_id)
+    aborted = {o.request_id: o for o in engine.step() if o.finished}
+    assert {g.request_id for g in states.values()} <= set(aborted)
+    assert all(o.outputs[0].finish_reason == "abort" for o in aborted.values())
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = llm.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_free_cpu_blocks == stats.num_cpu_blocks
