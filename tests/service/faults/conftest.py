@@ -93,6 +93,13 @@ class ServiceProcesses:
             if worker.poll() is None:
                 stop(worker)
 
+    def restart_api(self) -> str:
+        """SIGKILL the API (no graceful shutdown) and start a fresh one; returns its base URL."""
+        api = self.others.pop()
+        api.send_signal(signal.SIGKILL)
+        api.wait()
+        return self.start_api()
+
     def kill_worker(self, worker: subprocess.Popen[bytes]) -> None:
         """SIGKILL a worker: no shutdown, no acks, its heartbeat simply stops."""
         worker.send_signal(signal.SIGKILL)

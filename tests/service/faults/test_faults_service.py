@@ -122,3 +122,18 @@ def test_webhooks_retry_with_backoff_until_the_receiver_is_back(
 
 def _seconds(timestamps: list[str]) -> list[float]:
     return [datetime.fromisoformat(t).timestamp() for t in timestamps]
+
+
+def test_jobs_accepted_before_an_api_crash_survive_and_complete(
+    service_procs: ServiceProcesses, auth_headers: dict[str, str]
+) -> None:
+    bodies = [{"prompt": f"Accepted before the crash {i}", "max_tokens": 4} for i in range(6)]
+    with httpx.Client(base_url=service_procs.api_url, headers=auth_headers, timeout=30) as client:
+        job_ids = _submit_all(client, bodies)
+    service_procs.restart_api()
+    service_procs.ensure_worker()
+    with httpx.Client(base_url=service_procs.api_url, headers=auth_headers, timeout=30) as client:
+        finals = [wait_final(client, job_id, timeout_s=120) for job_id in job_ids]
+        listed = {job["id"] for job in client.get("/v1/jobs", params={"limit": 100}).json()["data"]}
+    assert [job["status"] for job in finals] == ["succeeded"] * len(job_ids)
+    assert set(job_ids) <= listed
