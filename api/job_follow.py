@@ -25,6 +25,14 @@ class TokenEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class RestartEvent:
+    """The job started over (attempt `attempt`) after its worker died: earlier tokens are void."""
+
+    attempt: int
+    entry_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class FinalEvent:
     """The job once it reached a final state; always the last event."""
 
@@ -48,7 +56,9 @@ def _replayed_tokens(job: Job) -> list[TokenEvent]:
     ]
 
 
-async def follow_job(job_id: str, last_id: str = "0-0") -> AsyncIterator[TokenEvent | FinalEvent | None]:
+async def follow_job(
+    job_id: str, last_id: str = "0-0"
+) -> AsyncIterator[TokenEvent | RestartEvent | FinalEvent | None]:
     """Yield a job's events after `last_id`, and None after each idle second (a chance to send a keep-alive)."""
     client = streams.async_redis_client()
     stream_key = streams.events_key(job_id)
@@ -68,6 +78,9 @@ async def follow_job(job_id: str, last_id: str = "0-0") -> AsyncIterator[TokenEv
                 last_id = entry_id
                 if fields["type"] == "token":
                     yield TokenEvent(json.loads(fields["data"]), entry_id)
+                    continue
+                if fields["type"] == "restart":
+                    yield RestartEvent(json.loads(fields["data"])["attempt"], entry_id)
                     continue
                 yield FinalEvent(await run_in_threadpool(load_job, job_id), entry_id)
                 return

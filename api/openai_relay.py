@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from api import jobs
 from api.db import session_factory
 from api.errors import ApiError
-from api.job_follow import FinalEvent, TokenEvent, follow_job
+from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
 from api.models import ApiKey, Job, JobStatus
 from api.openai_errors import error_object
 from api.openai_responses import chunk, delta_choice, final_choices, usage
@@ -101,6 +101,12 @@ async def stream_job(
                         continue
                     choice = delta_choice(endpoint, event.delta["index"], event.delta["text"])
                     yield _data(chunk(job, model, endpoint, [choice]))
+                elif isinstance(event, RestartEvent):
+                    # streamed text cannot be taken back: end this stream, the job itself runs on
+                    finished = True
+                    message = f"job {job.id} restarted after a worker failure; fetch its result when it finishes"
+                    yield _data({"error": error_object(503, message, None)})
+                    break
                 else:
                     finished = True
                     for closing in _closing_chunks(event.job, model, endpoint, include_usage):

@@ -55,6 +55,19 @@ def publish_tokens(client: redis.Redis, job_id: str, deltas: list[dict[str, Any]
     pipe.execute()
 
 
+def publish_restart(client: redis.Redis, job_id: str, attempt: int) -> None:
+    """Start a job's event stream afresh for a new attempt (after its worker died).
+
+    Followers already reading get a `restart` entry (discard what they have); new followers see
+    only this attempt's tokens.
+    """
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(events_key(job_id))
+    pipe.xadd(events_key(job_id), {"type": "restart", "data": json.dumps({"attempt": attempt})})
+    pipe.expire(events_key(job_id), EVENTS_TTL_S)
+    pipe.execute()
+
+
 def publish_final(client: redis.Redis, job_id: str, status: str) -> None:
     """Close a job's event stream with its final status."""
     pipe = client.pipeline(transaction=False)

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import jobs
 from api.auth import CurrentKey, DbSession
-from api.job_follow import TokenEvent, follow_job
+from api.job_follow import RestartEvent, TokenEvent, follow_job
 from api.schemas import JobOut
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -33,6 +33,8 @@ async def _events(request: Request, job_id: str, last_id: str) -> AsyncIterator[
                 yield ": keep-alive\n\n"
             elif isinstance(event, TokenEvent):
                 yield _sse("token", json.dumps(event.delta), event.entry_id)
+            elif isinstance(event, RestartEvent):
+                yield _sse("restart", json.dumps({"attempt": event.attempt}), event.entry_id)
             else:
                 yield _sse("done", JobOut.model_validate(event.job).model_dump_json(), event.entry_id)
 

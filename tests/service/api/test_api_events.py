@@ -76,3 +76,22 @@ def test_events_of_a_cancelled_queued_job_end_at_once(client: TestClient, auth_h
     client.post(f"/v1/jobs/{job_id}/cancel", headers=auth_headers)
     events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
     assert [(name, data["status"]) for name, data in events] == [("done", "cancelled")]
+
+
+def test_a_restarted_job_streams_only_its_new_attempt_and_says_so(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    job_id = _submit(client, auth_headers)
+    redis = streams.redis_client()
+    streams.publish_tokens(redis, job_id, [{"index": 0, "text": "lost", "token_ids": [9]}])  # the dead attempt
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth_headers) as live:
+        lines = live.iter_lines()
+        assert next(lines) == "id: " + redis.xrange(streams.events_key(job_id))[0][0]
+        streams.publish_restart(redis, job_id, attempt=2)
+        _generate(job_id, [("new", [7])], 0.0)
+        live_events = _parse("\n".join(["id: x", *lines]))
+    replay = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
+    assert [name for name, _ in live_events] == ["token", "restart", "token", "done"]
+    assert live_events[1][1] == {"attempt": 2}
+    assert [name for name, _ in replay] == ["restart", "token", "done"]
+    assert replay[1][1]["text"] == "new" and replay[-1][1]["text"] == "new"

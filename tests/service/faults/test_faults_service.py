@@ -11,6 +11,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from api import streams
 from api.db import session_factory
 from api.models import Job, JobStatus
 from tests.service.e2e.support import wait_final
@@ -65,6 +66,11 @@ def test_sigkilled_worker_jobs_finish_once_on_another_worker(
     assert {job["id"]: job["attempts"] for job in finals if job["id"] in in_flight} == dict.fromkeys(in_flight, 2)
     assert all(job["worker_id"] != doomed_id for job in finals if job["id"] in in_flight)
     assert all([d["status"] for d in deliveries[j]] == ["delivered"] for j in job_ids)
+    restarted = next(job for job in finals if job["id"] in in_flight)
+    stream = streams.redis_client().xrange(streams.events_key(restarted["id"]))
+    assert stream[0][1]["type"] == "restart"  # the retry's stream does not mix in the dead attempt's tokens
+    tokens = [t for _, f in stream if f["type"] == "token" for t in json.loads(f["data"])["token_ids"]]
+    assert tokens == restarted["choices"][0]["token_ids"]
     wait_until(lambda: len(webhook_receiver.received) >= len(job_ids), 30, "every webhook to arrive")
     posts = Counter(json.loads(r.body)["job"]["id"] for r in webhook_receiver.received)
     assert posts == Counter(dict.fromkeys(job_ids, 1))
