@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     block_size: int = Field(16, ge=1, description="KV block size in tokens")
     preemption_mode: Literal["swap", "recompute"] = Field("swap", description="how the engine preempts")
     attention_backend: Literal["triton", "torch"] | None = Field(None, description="attention implementation")
+    num_threads: int | None = Field(None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
     webhook_secret: str | None = Field(None, description="HMAC key for webhook signatures")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")

@@ -81,6 +81,9 @@ class EngineConfig:
     watermark: float = 0.01
     seed: int = 0
     attention_backend: str | None = None
+    # CPU threads for torch ops; None keeps torch's default. Fewer threads than cores help when
+    # other busy processes share the machine (OpenMP waits on descheduled threads).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
@@ -98,6 +101,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so that every running sequence can decode each step"
             )
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be an integer >= 1 or None, got {self.num_threads!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -40,6 +40,8 @@ class LLMEngine:
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.ops = select_backend(self.device, config.attention_backend)

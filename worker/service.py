@@ -33,6 +33,8 @@ def engine_kwargs(settings: Settings) -> dict[str, Any]:
         kwargs["kv_cache_memory"] = settings.kv_cache_memory
     if settings.attention_backend:
         kwargs["attention_backend"] = settings.attention_backend
+    if settings.num_threads:
+        kwargs["num_threads"] = settings.num_threads
     return kwargs
 
 

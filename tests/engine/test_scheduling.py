@@ -132,6 +132,7 @@ def test_running_sequences_decode_every_step_during_a_long_chunked_prefill(tiny_
         ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
         ({"block_size": 0}, "block_size"),
         ({"kv_cache_memory": 1000}, "kv_cache_memory"),
+        ({"num_threads": 0}, "num_threads"),
     ],
 )
 def test_bad_engine_arguments_name_the_argument(tiny_model_dir: Path, kwargs: dict, field: str) -> None:
