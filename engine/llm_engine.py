@@ -236,7 +236,8 @@ class LLMEngine:
         if not targets:
             return
         rows = [self._sampling_row(group, seq) for group, seq in targets]
-        results = sample(logits[row_of_logits], rows)
+        forked = row_of_logits != list(range(len(sampled)))
+        results = sample(logits[row_of_logits] if forked else logits, rows)
         for (group, seq), result in zip(targets, results):
             self._append_token(group, seq, result.token_id, result.logprobs, now)
 

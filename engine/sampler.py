@@ -88,8 +88,11 @@ def _logprobs(raw_logits: torch.Tensor, token_id: int, num_top: int) -> dict[int
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """One token per row of ``logits [rows, vocab]`` (fp32); logprobs are of the raw model output."""
     raw = logits
-    logits = logits.clone()
-    for i, row in enumerate(rows):
+    edited = [i for i, row in enumerate(rows) if row.params.has_penalties or row.suppressed_token_ids]
+    if edited:  # keep the raw logits intact for logprobs
+        logits = logits.clone()
+    for i in edited:
+        row = rows[i]
         if row.params.has_penalties:
             apply_penalties(logits[i], row)
         if row.suppressed_token_ids:
@@ -97,7 +100,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     tokens = [0] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if greedy:
-        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+        greedy_logits = logits if len(greedy) == len(rows) else logits[greedy]  # no copy in the common case
+        for i, token in zip(greedy, greedy_logits.argmax(dim=-1).tolist()):
             tokens[i] = token
     randomized = [i for i, row in enumerate(rows) if not row.params.greedy]
     if randomized:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, BlockMapping
@@ -64,8 +65,7 @@ class Scheduler:
         return (0, group.arrival_time)
 
     def _insert(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
-        queue.append(group)
-        queue.sort(key=self._order)
+        bisect.insort(queue, group, key=self._order)
 
     def add(self, group: SequenceGroup) -> None:
         """Queue a new request."""
@@ -121,18 +121,22 @@ class Scheduler:
             and self.waiting[0].priority < self.swapped[0].priority
         )
 
-    def _fits_now(self, group: SequenceGroup) -> bool:
+    def _fits_now(self, group: SequenceGroup, num_running_seqs: int) -> bool:
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
-        if self.num_running_seqs() + max(len(seqs), group.num_seqs_wanted) > self.config.max_num_seqs:
+        if num_running_seqs + self._seats_wanted(group) > self.config.max_num_seqs:
             return False
         return self._can_allocate(seqs)
+
+    @staticmethod
+    def _seats_wanted(group: SequenceGroup) -> int:
+        return max(len(group.seqs_with_status(SequenceStatus.WAITING)), group.num_seqs_wanted)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Make room for the most urgent waiting request by preempting lower-priority running ones."""
         while self.waiting and self.running:
             head = self.waiting[0]
             victim = max(self.running, key=self._order)
-            if victim.priority <= head.priority or self._fits_now(head):
+            if victim.priority <= head.priority or self._fits_now(head, self.num_running_seqs()):
                 return
             self.running.remove(victim)
             self._preempt(victim, out)
@@ -184,10 +188,11 @@ class Scheduler:
         return starved
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: list[int]) -> None:
+        num_running_seqs = self.num_running_seqs()
         while self.swapped and not self._waiting_outranks_swapped():
             group = self.swapped[0]
             seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
-            if self.num_running_seqs() + len(seqs) > self.config.max_num_seqs:
+            if num_running_seqs + len(seqs) > self.config.max_num_seqs:
                 break
             if budget[0] < len(seqs) or not self.block_manager.can_swap_in(seqs):
                 break
@@ -197,18 +202,21 @@ class Scheduler:
             self.counters.num_blocks_swapped_in += len(mapping)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
+            num_running_seqs += len(seqs)
             self.running.append(group)
             self._schedule_group(out, group, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
+        num_running_seqs = self.num_running_seqs()
         while self.waiting and budget[0] > 0:
             group = self.waiting[0]
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
-            if not self._fits_now(group):
+            if not self._fits_now(group, num_running_seqs):
                 break
             if not self.config.enable_chunked_prefill and seqs[0].num_tokens > budget[0]:
                 break
             self.waiting.pop(0)
+            num_running_seqs += self._seats_wanted(group)
             for seq in seqs:
                 self.block_manager.allocate(seq)
                 seq.status = SequenceStatus.RUNNING

@@ -23,7 +23,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: queues look sequences up with `in` / `remove`
 class Sequence:
     """One generated continuation: prompt + output tokens and how many have KV in the cache."""
 
@@ -90,7 +90,7 @@ class BeamHypothesis:
     finish_reason: str
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SequenceGroup:
     """One request: its prompt, sampling parameters and its 1..n sequences."""
 
