@@ -118,8 +118,12 @@ def paged_prefill_attention(
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens
     )
     block_size = key_cache.shape[1]
-    out = torch.empty_like(query)
     lens = context_lens.tolist()
+    num_queries = [end - start for start, end in zip(starts, starts[1:])]
+    useful = sum(q * length for q, length in zip(num_queries, lens))
+    if lens and len(lens) * max(num_queries) * max(lens) <= 2 * useful:
+        return _prefill_padded(query, key_cache, value_cache, block_tables, starts, lens, scale)
+    out = torch.empty_like(query)
     for i, context_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         num_queries = end - start
@@ -134,6 +138,34 @@ def paged_prefill_attention(
         mask = (key_positions[None, :] <= query_positions[:, None])[None]
         out[start:end] = _attend(query[None, start:end], key, value, mask, scale)[0]
     return out
+
+
+def _prefill_padded(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: list[int],
+    lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """``paged_prefill_attention`` as one padded batch: used when sequences are of similar size,
+    where one fused call beats a Python loop over sequences."""
+    device = query.device
+    block_size = key_cache.shape[1]
+    num_context_blocks = (max(lens) + block_size - 1) // block_size
+    key = gather_context(key_cache, block_tables, num_context_blocks)
+    value = gather_context(value_cache, block_tables, num_context_blocks)
+    first = torch.tensor(starts[:-1], device=device)
+    num_queries = torch.tensor(starts[1:], device=device) - first
+    offsets = torch.arange(int(num_queries.max()), device=device)
+    valid = offsets[None, :] < num_queries[:, None]  # [S, Qmax]: real query rows
+    rows = torch.where(valid, first[:, None] + offsets[None, :], 0)
+    positions = torch.tensor(lens, device=device)[:, None] - num_queries[:, None] + offsets[None, :]
+    key_positions = torch.arange(num_context_blocks * block_size, device=device)
+    mask = (key_positions[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+    mask[:, :, 0] |= ~valid  # padding rows attend somewhere (their output is dropped), never NaN
+    return _attend(query[rows], key, value, mask, scale)[valid]
 
 
 def copy_blocks(
