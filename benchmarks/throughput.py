@@ -9,12 +9,11 @@ the other in this process. Writes ``throughput.json`` and ``throughput.png`` und
 from __future__ import annotations
 
 import argparse
-import shutil
 from typing import Any
 
 import torch
 
-from benchmarks.baselines import hf, orca
+from benchmarks.baselines import hf, llama_cpp, orca
 from benchmarks.common import add_common_args, build_llm, machine, print_table, save_bar_chart, write_json
 from benchmarks.runner import run_engine, summarize
 from benchmarks.workloads import DATASETS, Request, corpus_token_ids, make_requests, max_seq_len
@@ -27,6 +26,7 @@ METHOD = {
     "orca": orca.__doc__.strip().replace("\n", " "),
     "hf-static": "transformers generate() on left-padded static batches of --hf-batch-size in arrival order",
     "hf-continuous": "transformers' continuous batching manager (init_continuous_batching), EOS disabled",
+    "llama.cpp": llama_cpp.__doc__.strip().replace("\n", " "),
     "mean_kv_waste": "1 - token slots holding a token / slots in allocated blocks, sampled each step",
 }
 
@@ -67,12 +67,16 @@ def run_hf(args: argparse.Namespace, system: str, requests: list[Request], pad_i
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-def llama_cpp_status() -> dict[str, Any]:
-    """llama.cpp is not driven yet: say whether its server binary is even there."""
-    binary = shutil.which("llama-server")
-    reason = ("llama-server not found on PATH (build it from vendor/llama.cpp in llama-cpp-python's sdist)"
-              if binary is None else f"{binary} found, but this benchmark does not drive llama-server yet")
-    return {"error": f"llama.cpp not available: {reason}"}
+def run_llama_cpp(args: argparse.Namespace, requests: list[Request]) -> dict[str, Any]:
+    """llama.cpp's llama-server on a BF16 GGUF of the same weights; a failure (toolchain, build) is a result."""
+    try:
+        server = llama_cpp.ensure_server()
+        gguf = llama_cpp.ensure_gguf(resolve_model(args.model))
+        result = llama_cpp.run_server(requests, server, gguf, args.kv_cache_tokens, args.max_num_seqs,
+                                      torch.get_num_threads())
+    except Exception as error:  # noqa: BLE001 - the baseline's failure is a result to report
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {**result, "llama_cpp": llama_cpp.source_version()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             results[system] = run_paged(args, system, requests)
     if args.llama_cpp:
-        results["llama.cpp"] = llama_cpp_status()
+        results["llama.cpp"] = run_llama_cpp(args, requests)
     base = results.get("pagedserve", {}).get("output_tokens_per_s")
     for result in results.values():
         if base and "output_tokens_per_s" in result:
