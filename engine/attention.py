@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -19,6 +20,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor
     prefill_query_start_loc: torch.Tensor
     prefill_context_lens: torch.Tensor
+    # the backend's plans for this step, made by the first layer and reused by the others
+    decode_plan: Any = None
+    prefill_plan: Any = None
 
     @property
     def has_prefill(self) -> bool:
@@ -44,17 +48,21 @@ class PagedAttention:
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if not meta.has_prefill:
-            return self.ops.paged_attention_decode(
-                query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
-            )
-        prefill = self.ops.paged_prefill_attention(
-            query[num_decode:], key_cache, value_cache, meta.prefill_block_tables,
-            meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
-        )
+            return self._decode(query, key_cache, value_cache, meta)
+        prefill_args = (query[num_decode:], key_cache, value_cache, meta.prefill_block_tables,
+                        meta.prefill_query_start_loc, meta.prefill_context_lens)
+        if meta.prefill_plan is None:
+            meta.prefill_plan = self.ops.plan_prefill(*prefill_args)
+        prefill = self.ops.paged_prefill_attention(*prefill_args, self.scale, plan=meta.prefill_plan)
         if num_decode == 0:
             return prefill
-        decode = self.ops.paged_attention_decode(
-            query[:num_decode], key_cache, value_cache, meta.decode_block_tables,
-            meta.decode_context_lens, self.scale,
-        )
-        return torch.cat([decode, prefill])
+        return torch.cat([self._decode(query[:num_decode], key_cache, value_cache, meta), prefill])
+
+    def _decode(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The decode rows' attention, planned once per step."""
+        decode_args = (query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens)
+        if meta.decode_plan is None:
+            meta.decode_plan = self.ops.plan_decode(*decode_args)
+        return self.ops.paged_attention_decode(*decode_args, self.scale, plan=meta.decode_plan)

@@ -146,6 +146,12 @@ def _check_table_values(
     return [high, *values[3:]]
 
 
+def check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """The shape, dtype and device checks of an attention call (no device sync)."""
+    check_cache_pair(key_cache, value_cache)
+    _check_query(query, key_cache)
+
+
 def check_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -154,8 +160,7 @@ def check_decode(
     context_lens: torch.Tensor,
 ) -> int:
     """Arguments of ``paged_attention_decode``; returns the longest context length."""
-    check_cache_pair(key_cache, value_cache)
-    _check_query(query, key_cache)
+    check_attention_inputs(query, key_cache, value_cache)
     _check_table_shapes(key_cache, block_tables, context_lens, query.shape[0])
     return _check_table_values(key_cache, block_tables, context_lens)[0]
 
@@ -169,8 +174,7 @@ def check_prefill(
     context_lens: torch.Tensor,
 ) -> tuple[int, list[int]]:
     """Arguments of ``paged_prefill_attention``; returns (longest context, query_start_loc)."""
-    check_cache_pair(key_cache, value_cache)
-    _check_query(query, key_cache)
+    check_attention_inputs(query, key_cache, value_cache)
     _check_index("query_start_loc", query_start_loc, 1, key_cache.device)
     num_seqs = query_start_loc.shape[0] - 1
     _require(num_seqs >= 0, "query_start_loc must hold num_seqs + 1 offsets")

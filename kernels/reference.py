@@ -8,10 +8,14 @@ is ``block * block_size + offset``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from kernels.checks import check_cache_write, check_copy, check_decode, check_prefill, check_swap
+from kernels.checks import (
+    check_attention_inputs, check_cache_write, check_copy, check_decode, check_prefill, check_swap,
+)
 
 
 def reshape_and_cache(
@@ -36,41 +40,182 @@ def reshape_and_cache(
     flat_value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-def gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_context_blocks: int
-) -> torch.Tensor:
-    """Gather the first ``num_context_blocks`` blocks of each row of ``block_tables``.
+# decode sequences are grouped by context length: a group's padded area may reach this multiple
+# of its real context, and there are at most this many groups (each is one call per layer)
+DECODE_PADDING_SLACK = 1.3
+MAX_DECODE_GROUPS = 4
 
-    Returns ``[num_seqs, num_context_blocks * block_size, num_kv_heads, head_dim]``. Padding
-    entries (block ids outside the cache) read a clamped block; callers mask those positions out.
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Sequences attended in one SDPA call: query rows padded to one width, context to one length."""
+
+    block_ids: torch.Tensor  # [G * num_context_blocks] cache blocks to gather, clamped into the cache
+    rows: torch.Tensor  # [G, Q] query rows; padding entries repeat row 0 and are dropped
+    valid: torch.Tensor | None  # [G, Q] real query rows, None when every entry is real
+    mask: torch.Tensor  # [G, 1, Q, L] True = attend
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """How one step's paged attention runs, worked out once and reused by every layer.
+
+    The groups partition the query rows in order, so their outputs concatenate into the result.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    table = block_tables[:, :num_context_blocks].clamp(0, num_blocks - 1).to(torch.long)
-    gathered = cache.index_select(0, table.reshape(-1))
-    return gathered.view(table.shape[0], num_context_blocks * block_size, num_kv_heads, head_dim)
+
+    num_queries: int
+    groups: tuple[AttentionGroup, ...]
+    # the query row of each output row when the groups do not follow the query order
+    row_order: torch.Tensor | None = None
+
+
+def _context_block_ids(cache_shape: torch.Size, block_tables: torch.Tensor, num_context_blocks: int) -> torch.Tensor:
+    """The first ``num_context_blocks`` entries of each table row, flat, clamped into the cache
+    (padding entries read some block; the mask hides it)."""
+    table = block_tables[:, :num_context_blocks].clamp(0, cache_shape[0] - 1)
+    return table.reshape(-1).to(torch.long)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """``[num_seqs, context, num_kv_heads, head_dim]`` from ``num_seqs`` equal runs of ``block_ids``."""
+    num_kv_heads, head_dim = cache.shape[2:]
+    return cache.index_select(0, block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
+
+
+def plan_decode(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor,
+) -> AttentionPlan:
+    """Check the arguments of ``paged_attention_decode`` and plan it: one query row per sequence,
+    sequences grouped by context length so that padding to each group's longest stays small.
+    Layers that share the tables reuse the plan."""
+    check_decode(query, key_cache, value_cache, block_tables, context_lens)
+    if query.shape[0] == 0:
+        return AttentionPlan(0, ())
+    lens = context_lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    # rows stay in query order inside a group, so a single group needs no reordering
+    members = [sorted(group) for group in _length_groups(order, lens)]
+    groups = tuple(
+        _decode_group(key_cache.shape, block_tables, context_lens, rows, max(lens[i] for i in rows))
+        for rows in members
+    )
+    row_order = [row for rows in members for row in rows]
+    in_order = row_order == list(range(len(lens)))
+    return AttentionPlan(query.shape[0], groups, None if in_order else torch.tensor(row_order, device=query.device))
+
+
+def _length_groups(order: list[int], lens: list[int]) -> list[list[int]]:
+    """Split sequences sorted by falling length into at most ``MAX_DECODE_GROUPS`` runs whose
+    padded area (count × longest) stays within ``DECODE_PADDING_SLACK`` × their real lengths."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for index in order:
+        group = groups[-1]
+        if group and (len(group) + 1) * lens[group[0]] > DECODE_PADDING_SLACK * (total + lens[index]) \
+                and len(groups) < MAX_DECODE_GROUPS:
+            groups.append([])
+            group, total = groups[-1], 0
+        group.append(index)
+        total += lens[index]
+    return groups
+
+
+def _decode_group(
+    cache_shape: torch.Size, block_tables: torch.Tensor, context_lens: torch.Tensor, members: list[int], longest: int,
+) -> AttentionGroup:
+    """Decode rows ``members`` against their contexts, padded to ``longest`` tokens."""
+    device = block_tables.device
+    block_size = cache_shape[1]
+    num_context_blocks = (longest + block_size - 1) // block_size
+    rows = torch.tensor(members, device=device)
+    positions = torch.arange(num_context_blocks * block_size, device=device)
+    mask = positions[None, :] < context_lens[rows][:, None]
+    block_ids = _context_block_ids(cache_shape, block_tables[rows], num_context_blocks)
+    return AttentionGroup(block_ids, rows[:, None], None, mask[:, None, None, :])
+
+
+def plan_prefill(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+) -> AttentionPlan:
+    """Check the arguments of ``paged_prefill_attention`` and plan it: one padded group when the
+    sequences are of similar size (one fused call beats a Python loop), else one group per sequence."""
+    _, starts = check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    lens = context_lens.tolist()
+    num_queries = [end - start for start, end in zip(starts, starts[1:])]
+    useful = sum(q * length for q, length in zip(num_queries, lens))
+    if lens and len(lens) * max(num_queries) * max(lens) <= 2 * useful:
+        groups = (_padded_group(key_cache.shape, block_tables, starts, lens),)
+    else:
+        groups = tuple(
+            _sequence_group(key_cache.shape, block_tables[i : i + 1], starts[i], starts[i + 1], length)
+            for i, length in enumerate(lens) if starts[i + 1] > starts[i]
+        )
+    return AttentionPlan(starts[-1] if starts else 0, groups)
+
+
+def _sequence_group(cache_shape: torch.Size, table: torch.Tensor, start: int, end: int, context_len: int) -> AttentionGroup:
+    """One sequence's new tokens ``start:end`` (the last of its ``context_len``), causally masked."""
+    device = table.device
+    block_size = cache_shape[1]
+    num_context_blocks = (context_len + block_size - 1) // block_size
+    key_positions = torch.arange(num_context_blocks * block_size, device=device)
+    query_positions = torch.arange(context_len - (end - start), context_len, device=device)
+    mask = key_positions[None, :] <= query_positions[:, None]
+    rows = torch.arange(start, end, device=device)[None]
+    return AttentionGroup(_context_block_ids(cache_shape, table, num_context_blocks), rows, None, mask[None, None])
+
+
+def _padded_group(cache_shape: torch.Size, block_tables: torch.Tensor, starts: list[int], lens: list[int]) -> AttentionGroup:
+    """Every sequence in one group, query rows padded to the longest run of new tokens."""
+    device = block_tables.device
+    block_size = cache_shape[1]
+    num_context_blocks = (max(lens) + block_size - 1) // block_size
+    first = torch.tensor(starts[:-1], device=device)
+    num_queries = torch.tensor(starts[1:], device=device) - first
+    offsets = torch.arange(int(num_queries.max()), device=device)
+    valid = offsets[None, :] < num_queries[:, None]  # [S, Qmax]: real query rows
+    rows = torch.where(valid, first[:, None] + offsets[None, :], 0)
+    positions = torch.tensor(lens, device=device)[:, None] - num_queries[:, None] + offsets[None, :]
+    key_positions = torch.arange(num_context_blocks * block_size, device=device)
+    mask = (key_positions[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+    mask[:, :, 0] |= ~valid  # padding rows attend somewhere (their output is dropped), never NaN
+    block_ids = _context_block_ids(cache_shape, block_tables, num_context_blocks)
+    return AttentionGroup(block_ids, rows, valid, mask[:, None])
+
+
+def _attend_planned(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+) -> torch.Tensor:
+    """Run ``plan``'s groups: gather each group's context, one SDPA call each."""
+    if plan.num_queries != query.shape[0]:
+        raise ValueError(f"plan covers {plan.num_queries} query rows, query has {query.shape[0]}")
+    if not plan.groups:
+        return torch.empty_like(query)
+    outputs = []
+    for group in plan.groups:
+        num_seqs = group.rows.shape[0]
+        key = _gather(key_cache, group.block_ids, num_seqs)
+        value = _gather(value_cache, group.block_ids, num_seqs)
+        out = _attend(query[group.rows], key, value, group.mask, scale)
+        outputs.append(out.flatten(0, 1) if group.valid is None else out[group.valid])
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    if plan.row_order is None:
+        return out
+    return torch.empty_like(out).index_copy_(0, plan.row_order, out)
 
 
 def _attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Grouped-query attention over padded context.
-
-    query ``[S, Q, H, D]``, key/value ``[S, L, KV, D]``, mask ``[S, Q, L]`` (True = attend).
-    Math in fp32 (torch's fused SDPA); returns ``[S, Q, H, D]`` in the query's dtype.
-    """
-    out = F.scaled_dot_product_attention(
-        query.float().transpose(1, 2),
-        key.float().transpose(1, 2),
-        value.float().transpose(1, 2),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2).to(query.dtype)
+    """query ``[N, Q, H, D]``, key/value ``[N, L, KV, D]``, mask ``[N, 1, Q, L]`` (True = attend)
+    → ``[N, Q, H, D]``. Math in fp32: torch's fused CPU SDPA is several times slower on bf16
+    inputs than converting them first."""
+    return F.scaled_dot_product_attention(
+        query.float().transpose(1, 2), key.float().transpose(1, 2), value.float().transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    ).transpose(1, 2).to(query.dtype)
 
 
 def paged_attention_decode(
@@ -80,22 +225,19 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence ``[num_seqs, num_heads, head_dim]`` against its paged context.
 
     ``block_tables`` is ``[num_seqs, max_blocks]`` (padded with any value past each context),
     ``context_lens`` ``[num_seqs]`` counts the tokens to attend to, the new one included.
+    ``plan`` is ``plan_decode`` of these same tables, when several layers share them.
     """
-    max_context_len = check_decode(query, key_cache, value_cache, block_tables, context_lens)
-    if query.shape[0] == 0:
-        return torch.empty_like(query)
-    block_size = key_cache.shape[1]
-    num_context_blocks = (max_context_len + block_size - 1) // block_size
-    key = gather_context(key_cache, block_tables, num_context_blocks)
-    value = gather_context(value_cache, block_tables, num_context_blocks)
-    positions = torch.arange(num_context_blocks * block_size, device=query.device)
-    mask = (positions[None, :] < context_lens[:, None].to(positions.device))[:, None, :]
-    return _attend(query[:, None], key, value, mask, scale)[:, 0]
+    if plan is None:
+        plan = plan_decode(query, key_cache, value_cache, block_tables, context_lens)
+    else:
+        check_attention_inputs(query, key_cache, value_cache)
+    return _attend_planned(query, key_cache, value_cache, plan, scale)
 
 
 def paged_prefill_attention(
@@ -106,66 +248,21 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of new tokens against their paged context.
 
     ``query`` is ``[num_tokens, num_heads, head_dim]``; sequence ``i`` owns query rows
     ``query_start_loc[i]:query_start_loc[i + 1]``, which are the last tokens of its
     ``context_lens[i]`` tokens (their K/V already written into the cache). Token ``j`` of a
-    sequence attends to every context position up to and including its own.
+    sequence attends to every context position up to and including its own. ``plan`` is
+    ``plan_prefill`` of these same tables, when several layers share them.
     """
-    _, starts = check_prefill(
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens
-    )
-    block_size = key_cache.shape[1]
-    lens = context_lens.tolist()
-    num_queries = [end - start for start, end in zip(starts, starts[1:])]
-    useful = sum(q * length for q, length in zip(num_queries, lens))
-    if lens and len(lens) * max(num_queries) * max(lens) <= 2 * useful:
-        return _prefill_padded(query, key_cache, value_cache, block_tables, starts, lens, scale)
-    out = torch.empty_like(query)
-    for i, context_len in enumerate(lens):
-        start, end = starts[i], starts[i + 1]
-        num_queries = end - start
-        if num_queries == 0:
-            continue
-        num_context_blocks = (context_len + block_size - 1) // block_size
-        table = block_tables[i : i + 1]
-        key = gather_context(key_cache, table, num_context_blocks)
-        value = gather_context(value_cache, table, num_context_blocks)
-        key_positions = torch.arange(num_context_blocks * block_size, device=query.device)
-        query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
-        mask = (key_positions[None, :] <= query_positions[:, None])[None]
-        out[start:end] = _attend(query[None, start:end], key, value, mask, scale)[0]
-    return out
-
-
-def _prefill_padded(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    starts: list[int],
-    lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """``paged_prefill_attention`` as one padded batch: used when sequences are of similar size,
-    where one fused call beats a Python loop over sequences."""
-    device = query.device
-    block_size = key_cache.shape[1]
-    num_context_blocks = (max(lens) + block_size - 1) // block_size
-    key = gather_context(key_cache, block_tables, num_context_blocks)
-    value = gather_context(value_cache, block_tables, num_context_blocks)
-    first = torch.tensor(starts[:-1], device=device)
-    num_queries = torch.tensor(starts[1:], device=device) - first
-    offsets = torch.arange(int(num_queries.max()), device=device)
-    valid = offsets[None, :] < num_queries[:, None]  # [S, Qmax]: real query rows
-    rows = torch.where(valid, first[:, None] + offsets[None, :], 0)
-    positions = torch.tensor(lens, device=device)[:, None] - num_queries[:, None] + offsets[None, :]
-    key_positions = torch.arange(num_context_blocks * block_size, device=device)
-    mask = (key_positions[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
-    mask[:, :, 0] |= ~valid  # padding rows attend somewhere (their output is dropped), never NaN
-    return _attend(query[rows], key, value, mask, scale)[valid]
+    if plan is None:
+        plan = plan_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    else:
+        check_attention_inputs(query, key_cache, value_cache)
+    return _attend_planned(query, key_cache, value_cache, plan, scale)
 
 
 def copy_blocks(

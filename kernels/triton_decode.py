@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_decode
+from kernels.checks import check_attention_inputs, check_decode
 from kernels.triton_tiles import (
     LOG2_E,
     attend_tile,
@@ -144,6 +144,14 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
+def plan_decode(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor,
+) -> int:
+    """Check the arguments of ``paged_attention_decode``; the plan is the longest context length."""
+    return check_decode(query, key_cache, value_cache, block_tables, context_lens)
+
+
 def paged_attention_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -151,9 +159,18 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence ``[num_seqs, num_heads, head_dim]`` against its context."""
-    max_context_len = check_decode(query, key_cache, value_cache, block_tables, context_lens)
+    """One query token per sequence ``[num_seqs, num_heads, head_dim]`` against its context.
+
+    ``plan`` is ``plan_decode`` of these same arguments (the longest context, checked), when
+    several layers share the tables: it saves each layer a device sync.
+    """
+    if plan is None:
+        max_context_len = plan_decode(query, key_cache, value_cache, block_tables, context_lens)
+    else:
+        check_attention_inputs(query, key_cache, value_cache)
+        max_context_len = plan
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_prefill
+from kernels.checks import check_attention_inputs, check_prefill
 from kernels.triton_tiles import (
     LOG2_E,
     attend_tile,
@@ -95,6 +95,14 @@ def _prefill_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def plan_prefill(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+) -> list[int]:
+    """Check the arguments of ``paged_prefill_attention``; the plan is ``query_start_loc`` as a list."""
+    return check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)[1]
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -103,11 +111,17 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: list[int] | None = None,
 ) -> torch.Tensor:
-    """Causal attention for a flattened batch of new tokens against their paged context."""
-    _, starts = check_prefill(
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens
-    )
+    """Causal attention for a flattened batch of new tokens against their paged context.
+
+    ``plan`` is ``plan_prefill`` of these same arguments, when several layers share them.
+    """
+    if plan is None:
+        starts = plan_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    else:
+        check_attention_inputs(query, key_cache, value_cache)
+        starts = plan
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

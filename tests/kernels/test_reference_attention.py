@@ -1,4 +1,4 @@
-"""The torch prefill path equals plain per-token attention, whether it pads or loops over sequences."""
+"""The torch attention paths equal plain per-token attention, however they pad, loop or group sequences."""
 
 from __future__ import annotations
 
@@ -45,4 +45,21 @@ def test_prefill_reference_matches_naive_attention(query_lens: list[int], contex
         torch.tensor(context_lens, dtype=torch.int32), 0.25,
     )
     expected = naive_prefill(query, key_cache, value_cache, tables, starts, context_lens, 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context_lens", [[9, 10, 11, 12], [70, 3, 1, 40, 2, 66, 17]])
+def test_decode_reference_matches_naive_attention_whatever_the_length_groups(context_lens: list[int]) -> None:
+    torch.manual_seed(1)
+    block_size, num_blocks, heads, kv_heads, dim = 8, 80, 6, 2, 16
+    num_seqs = len(context_lens)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    tables = torch.randperm(num_blocks)[: num_seqs * 9].view(num_seqs, 9).to(torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    query = torch.randn(num_seqs, heads, dim)
+    plan = reference.plan_decode(query, key_cache, value_cache, tables, lens)
+    assert len(plan.groups) == (1 if max(context_lens) < 2 * min(context_lens) else reference.MAX_DECODE_GROUPS)
+    out = reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.25, plan=plan)
+    expected = naive_prefill(query, key_cache, value_cache, tables, list(range(num_seqs + 1)), context_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
