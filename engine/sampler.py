@@ -71,8 +71,19 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
     if bool((min_p > 0).any()):
         logits = _filter_min_p(logits, min_p)
-    probs = logits.softmax(dim=-1)
-    return [int(torch.multinomial(probs[i], 1, generator=row.generator)) for i, row in enumerate(rows)]
+    return _inverse_cdf_sample(logits.softmax(dim=-1), rows).tolist()
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One token per row of ``probs``: the first whose cumulative mass exceeds a uniform draw from
+    that row's own generator. One random number per row (``torch.multinomial`` draws one per
+    vocabulary entry), and a seeded row's draws do not depend on the rest of the batch."""
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1]
+    uniform = torch.stack([torch.rand((), generator=row.generator) for row in rows])
+    # strictly below the total, so the token found always has a positive probability
+    targets = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
 
 
 def _logprobs(raw_logits: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:
