@@ -72,7 +72,8 @@ def run_llama_cpp(args: argparse.Namespace, requests: list[Request]) -> dict[str
     try:
         server = llama_cpp.ensure_server()
         gguf = llama_cpp.ensure_gguf(resolve_model(args.model))
-        result = llama_cpp.run_server(requests, server, gguf, args.kv_cache_tokens, args.max_num_seqs,
+        result = llama_cpp.run_server(requests, server, gguf, args.kv_cache_tokens,
+                                      llama_cpp.safe_parallel_slots(requests, args.kv_cache_tokens, args.max_num_seqs),
                                       torch.get_num_threads())
     except Exception as error:  # noqa: BLE001 - the baseline's failure is a result to report
         return {"error": f"{type(error).__name__}: {error}"}

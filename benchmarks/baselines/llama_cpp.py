@@ -1,10 +1,12 @@
 """llama.cpp's ``llama-server`` as a baseline: built once from llama-cpp-python's sdist, on a BF16 GGUF.
 
-The server runs ``--parallel max_num_seqs`` slots with continuous batching over one unified KV
-pool of ``--ctx-size kv_cache_tokens`` token cells (``--kv-unified``): the same budget pagedserve
-gets, shared by all slots as they grow. Without ``--kv-unified`` llama-server would split the
-pool into fixed per-slot windows of ``kv_cache_tokens / max_num_seqs`` tokens and cut requests
-short. llama-server does not preempt: if the running requests outgrow the pool it fails them.
+The server runs continuous batching over one unified KV pool of ``--ctx-size kv_cache_tokens``
+token cells (``--kv-unified``): the same budget pagedserve gets, shared by all slots as they grow.
+Without ``--kv-unified`` llama-server would split the pool into fixed per-slot windows of
+``kv_cache_tokens / slots`` tokens and cut requests short. llama-server does not preempt: if the
+running requests outgrow the pool it fails them (HTTP 500, "context size has been exceeded"), so
+it gets as many slots as fit the workload's longest request each (``safe_parallel_slots``), at
+most ``max_num_seqs``: the reservation a user must make to run it safely under that budget.
 """
 
 from __future__ import annotations
@@ -176,12 +178,12 @@ def completion_payload(request: Request) -> dict[str, Any]:
     }
 
 
-def server_command(server: Path, gguf: Path, port: int, kv_cache_tokens: int, max_num_seqs: int,
+def server_command(server: Path, gguf: Path, port: int, kv_cache_tokens: int, parallel_slots: int,
                    threads: int) -> list[str]:
-    """``llama-server`` arguments: ``max_num_seqs`` slots sharing one unified KV pool of ``kv_cache_tokens``."""
+    """``llama-server`` arguments: ``parallel_slots`` slots sharing one unified KV pool of ``kv_cache_tokens``."""
     return [
         str(server), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-        "--threads", str(threads), "--parallel", str(max_num_seqs), "--cont-batching",
+        "--threads", str(threads), "--parallel", str(parallel_slots), "--cont-batching",
         "--ctx-size", str(kv_cache_tokens), "--kv-unified",
         "--cache-ram", "0",  # no host-RAM prompt cache: prompts are never reused here
     ]
@@ -241,13 +243,19 @@ async def _complete_all(base_url: str, payloads: list[dict[str, Any]]) -> list[d
             return await asyncio.gather(*(complete(payload) for payload in payloads))
 
 
-def run_server(requests: list[Request], server: Path, gguf: Path, kv_cache_tokens: int, max_num_seqs: int,
+def safe_parallel_slots(requests: list[Request], kv_cache_tokens: int, max_num_seqs: int) -> int:
+    """Slots that cannot overflow a pool of ``kv_cache_tokens``: each may hold the longest request."""
+    longest = max(request.total_len for request in requests)
+    return max(1, min(max_num_seqs, kv_cache_tokens // longest))
+
+
+def run_server(requests: list[Request], server: Path, gguf: Path, kv_cache_tokens: int, parallel_slots: int,
                threads: int) -> dict[str, Any]:
     """Start llama-server, warm it up, send every request at once, and time until the last one finishes."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(server_command(server, gguf, port, kv_cache_tokens, max_num_seqs, threads),
+        process = subprocess.Popen(server_command(server, gguf, port, kv_cache_tokens, parallel_slots, threads),
                                    stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
             _wait_healthy(process, base_url)
@@ -269,6 +277,6 @@ def run_server(requests: list[Request], server: Path, gguf: Path, kv_cache_token
         "output_tokens_per_s": output_tokens / elapsed,
         "requests_per_s": len(requests) / elapsed,
         "requests_cut_short": cut_short,
-        "note": (f"llama-server, BF16 GGUF, --parallel {max_num_seqs} --ctx-size {kv_cache_tokens} --kv-unified "
+        "note": (f"llama-server, BF16 GGUF, --parallel {parallel_slots} --ctx-size {kv_cache_tokens} --kv-unified "
                  f"(one KV pool of the same token budget, shared by all slots), --threads {threads}"),
     }

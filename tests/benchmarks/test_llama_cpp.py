@@ -50,17 +50,24 @@ def test_completion_payload_asks_for_exactly_output_len_greedy_tokens_from_token
     assert payload["temperature"] == 0.0 and payload["cache_prompt"] is False
 
 
-def test_server_gets_the_whole_kv_budget_as_one_pool_shared_by_max_num_seqs_slots() -> None:
+def test_server_gets_the_whole_kv_budget_as_one_pool_shared_by_its_slots() -> None:
     command = llama_cpp.server_command(Path("llama-server"), Path("m.gguf"), 8080, kv_cache_tokens=1024,
-                                       max_num_seqs=32, threads=2)
+                                       parallel_slots=32, threads=2)
     assert command[command.index("--ctx-size") + 1] == "1024" and "--kv-unified" in command
     assert command[command.index("--parallel") + 1] == "32" and command[command.index("--threads") + 1] == "2"
+
+
+def test_slots_are_capped_so_that_every_slot_can_hold_the_longest_request() -> None:
+    requests = [Request([1] * 10, output_len=20), Request([1] * 50, output_len=150)]
+    assert llama_cpp.safe_parallel_slots(requests, kv_cache_tokens=1000, max_num_seqs=32) == 5
+    assert llama_cpp.safe_parallel_slots(requests, kv_cache_tokens=1000, max_num_seqs=3) == 3
+    assert llama_cpp.safe_parallel_slots(requests, kv_cache_tokens=100, max_num_seqs=32) == 1
 
 
 def test_run_server_counts_the_tokens_the_server_reports_for_every_request(tmp_path: Path) -> None:
     requests = [Request([1, 2, 3], 5), Request([4], 7), Request([5, 6], 1)]
     result = llama_cpp.run_server(requests, _executable(tmp_path, FAKE_SERVER), tmp_path / "m.gguf",
-                                  kv_cache_tokens=64, max_num_seqs=4, threads=1)
+                                  kv_cache_tokens=64, parallel_slots=4, threads=1)
     assert result["output_tokens"] == 13 and result["requests_cut_short"] == 0
     assert result["output_tokens_per_s"] > 0 and result["requests_per_s"] > 0
 
