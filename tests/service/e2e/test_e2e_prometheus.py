@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(prometheus_binary() is None,
 
 # a shared prefix of several full blocks, so the prefix cache is queried and hit
 PROMPTS = [f"{'The operators watch the memory of the engine. ' * 6}Job {i} asks about {i * 7}." for i in range(12)]
-MAX_TOKENS = 16
+MAX_TOKENS = 48  # long enough for the jobs to overlap and outgrow the tight KV budget
 LABEL_VALUES = re.compile(r"^label_values\((?P<match>.+),\s*(?P<label>\w+)\)$")
 GRAFANA_VARIABLE = re.compile(r"\$(\w+)|\$\{(\w+)\}")
 EXPRESSIONS = [(path.stem, expr) for path in DASHBOARDS for expr in dashboard_expressions(json.loads(path.read_text()))]
@@ -68,6 +68,10 @@ def scraped(live_api: str, service_settings: Settings, auth_headers: dict[str, s
             jobs = [{**body, "prompt": p} for p in PROMPTS] + [{**body, "prompt": "Hook", "webhook_url": receiver.url}]
             submitted = [client.post("/v1/jobs", json=jobs[0]).json()["id"]]
             wait_final(client, submitted[0])  # its prefix blocks are cached before the others look them up
+            # a scrape between this job and the rest: each route's latency series then rises inside the
+            # window, even when the whole workload runs between two scrapes
+            wait_until(lambda: prometheus.query('pagedserve_http_request_duration_seconds_count{route="/v1/jobs"}'),
+                       30, "Prometheus to scrape the first job's requests")
             with ThreadPoolExecutor(max_workers=8) as pool:
                 submitted += pool.map(lambda job: client.post("/v1/jobs", json=job).json()["id"], jobs[1:])
             assert {wait_final(client, job_id)["status"] for job_id in submitted} == {"succeeded"}
