@@ -28,6 +28,7 @@ METHOD = {
     "hf-continuous": "transformers' continuous batching manager (init_continuous_batching), EOS disabled",
     "llama.cpp": llama_cpp.__doc__.strip().replace("\n", " "),
     "mean_kv_waste": "1 - token slots holding a token / slots in allocated blocks, sampled each step",
+    "rounds": "with --repeat N, N rounds over all systems in turn; each system reports its fastest round",
 }
 
 
@@ -40,7 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-server")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over all systems; each reports its fastest round (noisy shared machines)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.quick:
         args.num_requests, args.scale, args.kv_cache_tokens = 4, 0.03, 256
     return args
@@ -80,26 +85,46 @@ def run_llama_cpp(args: argparse.Namespace, requests: list[Request]) -> dict[str
     return {**result, "llama_cpp": llama_cpp.source_version()}
 
 
+def run_system(args: argparse.Namespace, system: str, requests: list[Request], pad_id: int) -> dict[str, Any]:
+    """One pass of ``requests`` through ``system``."""
+    if system == "llama.cpp":
+        return run_llama_cpp(args, requests)
+    if system.startswith("hf-"):
+        return run_hf(args, system, requests, pad_id)
+    return run_paged(args, system, requests)
+
+
+def fastest_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest of a system's rounds, with every round's tokens/s; the first error if all failed.
+
+    Interference from other work on a shared machine only ever slows a run down, so the fastest
+    round is the best estimate of what the system itself does."""
+    measured = [run for run in runs if "output_tokens_per_s" in run]
+    if not measured:
+        return runs[0]
+    best = max(measured, key=lambda run: run["output_tokens_per_s"])
+    return {**best, "round_output_tokens_per_s": [run.get("output_tokens_per_s") for run in runs]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every selected system on one workload; print, write JSON and a PNG; return the results."""
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.model)
     requests = make_requests(args.dataset, args.num_requests, args.scale, corpus_token_ids(tokenizer), args.seed)
-    results: dict[str, dict[str, Any]] = {}
-    for system in args.systems:
-        if system.startswith("hf-"):
-            results[system] = run_hf(args, system, requests, tokenizer.eos_token_id)
-        else:
-            results[system] = run_paged(args, system, requests)
-    if args.llama_cpp:
-        results["llama.cpp"] = run_llama_cpp(args, requests)
+    systems = [*args.systems, *(["llama.cpp"] if args.llama_cpp else [])]
+    rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+    for _ in range(args.repeat):  # whole rounds, so that a slow spell of the machine hits every system
+        for system in systems:
+            rounds[system].append(run_system(args, system, requests, tokenizer.eos_token_id))
+    results = {system: fastest_round(runs) for system, runs in rounds.items()}
     base = results.get("pagedserve", {}).get("output_tokens_per_s")
     for result in results.values():
         if base and "output_tokens_per_s" in result:
             result["pagedserve_speedup"] = base / result["output_tokens_per_s"]
     payload = {
         "benchmark": "throughput", "dataset": args.dataset, "num_requests": len(requests), "scale": args.scale,
-        "max_seq_len": max_seq_len(args.scale), "mean_input_len": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+        "max_seq_len": max_seq_len(args.scale), "rounds": args.repeat,
+        "mean_input_len": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
         "mean_output_len": sum(r.output_len for r in requests) / len(requests),
         "config": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "method": METHOD,
         "systems": results,

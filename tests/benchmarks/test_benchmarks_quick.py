@@ -34,6 +34,24 @@ def test_throughput_reports_every_system_with_ratios(tiny_model_dir: Path, tmp_p
     assert "output_tokens_per_s" in systems["hf-continuous"] or "error" in systems["hf-continuous"]
 
 
+def test_repeated_rounds_report_each_systems_fastest_round(tiny_model_dir: Path, tmp_path: Path) -> None:
+    throughput.main(_argv(tiny_model_dir, tmp_path) + ["--systems", "pagedserve", "orca-max", "--repeat", "2"])
+    for result in _written(tmp_path, "throughput")["systems"].values():
+        rounds = result["round_output_tokens_per_s"]
+        assert len(rounds) == 2 and result["output_tokens_per_s"] == max(rounds)
+
+
+def test_fastest_round_skips_failed_rounds_and_keeps_an_error_when_all_failed() -> None:
+    runs = [{"output_tokens_per_s": 5.0}, {"error": "boom"}, {"output_tokens_per_s": 7.0}]
+    assert throughput.fastest_round(runs) == {"output_tokens_per_s": 7.0, "round_output_tokens_per_s": [5.0, None, 7.0]}
+    assert throughput.fastest_round([{"error": "a"}, {"error": "b"}]) == {"error": "a"}
+
+
+def test_repeat_below_one_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--repeat", "0"])
+
+
 def test_latency_reports_percentiles_per_system_and_rate(tiny_model_dir: Path, tmp_path: Path) -> None:
     latency.main(_argv(tiny_model_dir, tmp_path))
     payload = _written(tmp_path, "latency")
