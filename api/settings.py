@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     preemption_mode: Literal["swap", "recompute"] = Field("swap", description="how the engine preempts")
     attention_backend: Literal["triton", "torch"] | None = Field(None, description="attention implementation")
     num_threads: int | None = Field(None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
+    cpu_weight_packing: Literal["auto", "all", "off"] = Field(
+        "auto", description="oneDNN-prepacked weights on the CPU: auto = bf16 only (bit-identical), all = also fp32")
     webhook_secret: str | None = Field(None, description="HMAC key for webhook signatures")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")

@@ -48,7 +48,7 @@ class LLMEngine:
         folder = resolve_model(config.model)
         self.model_name = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = load_model(folder, self.dtype, self.device, self.ops)
+        self.model = load_model(folder, self.dtype, self.device, self.ops, config.cpu_weight_packing)
         model_config = self.model.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)

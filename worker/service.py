@@ -28,6 +28,7 @@ def engine_kwargs(settings: Settings) -> dict[str, Any]:
         "max_num_seqs": settings.max_num_seqs,
         "preemption_mode": settings.preemption_mode,
         "scheduling_policy": "priority",
+        "cpu_weight_packing": settings.cpu_weight_packing,
     }
     if settings.kv_cache_memory:
         kwargs["kv_cache_memory"] = settings.kv_cache_memory

@@ -1,10 +1,11 @@
-"""oneDNN-prepacked weights for bf16 linear layers on the CPU.
+"""oneDNN-prepacked weights for linear layers on the CPU.
 
 ``F.linear`` on bf16 CPU tensors runs oneDNN, which lays the weight out in its blocked format on
 every call. Reordering each weight once at load time and calling oneDNN's linear on the packed
 weight gives bit-identical results 1.1-3.6× faster (1.9× at 8 rows, 1.3× at 32; most at small
-batches, where decode steps live). fp32 stays on ``F.linear`` (MKL): packed fp32 is faster still,
-but not bit-identical to the path transformers takes, and fp32 is the token-exact mode.
+batches, where decode steps live). fp32 stays on ``F.linear`` (MKL) unless asked: packed fp32 is
+3-4× faster still, but not bit-identical to the path transformers takes, and fp32 is the
+token-exact mode.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, self.bias, "none", [], "")
 
 
-def packing_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """Packing is used for bf16 on a CPU whose torch build has oneDNN with bf16 support."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def packing_applies(dtype: torch.dtype, device: torch.device, mode: str = "auto") -> bool:
+    """Whether ``mode`` (``EngineConfig.cpu_weight_packing``) packs a ``dtype`` model on ``device``:
+    bf16 where oneDNN supports it, fp32 only with ``"all"``."""
+    if mode == "off" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 and mode == "all"
 
 
 def pack_linear_layers(model: LlamaForCausalLM) -> int:

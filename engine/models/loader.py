@@ -52,8 +52,11 @@ def _fuse(checkpoint: dict[str, torch.Tensor], num_layers: int) -> dict[str, tor
     return checkpoint
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: ModuleType) -> LlamaForCausalLM:
-    """Instantiate the model on ``device`` in ``dtype`` with the folder's weights."""
+def load_model(
+    folder: Path, dtype: torch.dtype, device: torch.device, ops: ModuleType, weight_packing: str = "auto",
+) -> LlamaForCausalLM:
+    """Instantiate the model on ``device`` in ``dtype`` with the folder's weights; linear weights are
+    prepacked as ``weight_packing`` (``EngineConfig.cpu_weight_packing``) says."""
     config = load_config(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops)
@@ -68,6 +71,6 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Modu
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = type(model.rotary)(config, model.head_dim)  # buffers were built on meta
     model = model.to(device).eval()
-    if packing_applies(dtype, device):
+    if packing_applies(dtype, device, weight_packing):
         pack_linear_layers(model)
     return model
