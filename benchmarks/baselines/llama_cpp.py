@@ -32,7 +32,10 @@ from tqdm.auto import tqdm
 from benchmarks.workloads import Request
 from engine.model_files import cache_dir as pagedserve_cache_dir
 
-SDIST_PACKAGE = "llama-cpp-python"
+# pinned, so that every machine builds the llama.cpp these results were measured with (commit 0c1e57098bba)
+SDIST_VERSION = "0.3.36"
+SDIST_PACKAGE = f"llama-cpp-python=={SDIST_VERSION}"
+SDIST_FILE = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 VENDOR_PREFIX = "vendor/llama.cpp/"
 COMMIT_FILE = ".git/modules/vendor/llama.cpp/HEAD"  # the submodule's checked-out commit, inside the sdist
 BUILD_JOBS = 2
@@ -83,14 +86,13 @@ def _check_toolchain() -> None:
 def _download_sdist(folder: Path) -> Path:
     """llama-cpp-python's source archive in ``folder``, fetched with pip unless one is already there."""
     folder.mkdir(parents=True, exist_ok=True)
-    existing = sorted(folder.glob("llama_cpp_python-*.tar.gz"))
-    if not existing:
+    sdist = folder / SDIST_FILE
+    if not sdist.exists():
         _run_niced([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST_PACKAGE,
                     "-d", str(folder)], "pip download", folder / "pip-download.log")
-        existing = sorted(folder.glob("llama_cpp_python-*.tar.gz"))
-    if not existing:
-        raise RuntimeError(f"pip download left no llama_cpp_python-*.tar.gz in {folder}")
-    return existing[-1]
+    if not sdist.exists():
+        raise RuntimeError(f"pip download left no {SDIST_FILE} in {folder}")
+    return sdist
 
 
 def _extract_vendor(sdist: Path, target: Path) -> str:
