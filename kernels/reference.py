@@ -60,12 +60,12 @@ class AttentionGroup:
 class AttentionPlan:
     """How one step's paged attention runs, worked out once and reused by every layer.
 
-    The groups partition the query rows in order, so their outputs concatenate into the result.
+    The groups partition the query rows; their outputs concatenate into the result, in query
+    order unless ``row_order`` gives each output row's query row.
     """
 
     num_queries: int
     groups: tuple[AttentionGroup, ...]
-    # the query row of each output row when the groups do not follow the query order
     row_order: torch.Tensor | None = None
 
 
