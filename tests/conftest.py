@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# The only tests that may skip: those marked as needing hardware this machine may lack.
+HARDWARE_MARKERS = ("gpu", "onednn_bf16")
+
 TINY_LLAMA = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -44,3 +47,41 @@ def smollm2_dir() -> Path:
     from engine.model_files import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+class SkipGuard:
+    """Fails the run when a test skipped that is not marked as needing missing hardware.
+
+    A missing dependency (Triton, Prometheus, a database server) must not turn into a green run with
+    fewer tests in it."""
+
+    def __init__(self) -> None:
+        self.unexpected: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):  # an xfail reports as skipped too
+            if not any(marker in report.keywords for marker in HARDWARE_MARKERS):
+                self._record(report)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.skipped:  # a whole module skipped, e.g. by pytest.importorskip
+            self._record(report)
+
+    def _record(self, report: pytest.TestReport | pytest.CollectReport) -> None:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        self.unexpected.append(f"{report.nodeid}: {reason}")
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.unexpected:
+            terminalreporter.section("skipped tests that must run here", red=True)
+            for line in self.unexpected:
+                terminalreporter.line(line)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.unexpected and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SkipGuard(), "pagedserve-skip-guard")

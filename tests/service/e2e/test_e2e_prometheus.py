@@ -19,10 +19,7 @@ from tests.service.procs import free_port, wait_until
 from tests.service.receiver import WebhookReceiver
 
 from api.settings import Settings
-from benchmarks.prometheus_server import PrometheusServer, prometheus_binary
-
-pytestmark = pytest.mark.skipif(prometheus_binary() is None,
-                                reason="no prometheus binary (apt-get install prometheus, or scripts/ensure-services.sh)")
+from benchmarks.prometheus_server import PrometheusServer
 
 # a shared prefix of several full blocks, so the prefix cache is queried and hit
 PROMPTS = [f"{'The operators watch the memory of the engine. ' * 6}Job {i} asks about {i * 7}." for i in range(12)]
