@@ -6,28 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
+from tests.engine.hf_reference import hf_beam
 
 PROMPTS = ["The quick brown fox", "Hello, my name is", "In the beginning there was"]
 
 
 def tiny_llm(folder: Path, **kwargs: object) -> LLM:
     return LLM(model=str(folder), dtype="float32", **{"kv_cache_memory": "8MiB", **kwargs})
-
-
-def hf_beam(folder: Path, prompt: str, beam_width: int, max_tokens: int) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), num_beams=beam_width, do_sample=False,
-            max_new_tokens=max_tokens, min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0,
-            early_stopping=False, length_penalty=1.0,
-        )
-    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("beam_width", [2, 4])
@@ -94,15 +81,28 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_model_dir: Path) -> N
     assert [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids] == [o.outputs[0].token_ids for o in uncached]
 
 
-def test_prefix_cache_eviction_under_pressure_keeps_outputs(tiny_model_dir: Path) -> None:
+def test_prefix_cache_hits_evicts_under_pressure_and_hits_again_with_unchanged_outputs(tiny_model_dir: Path) -> None:
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
-    prompts = [f"Story number {i}: " + "once upon a time " * 8 for i in range(6)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # 50 tokens: 3 full blocks the cache can serve (the last token is always computed), 4 blocks with the output
+    cached_prompt = list(range(1000, 1050))
+    fillers = [list(range(2000 + 100 * i, 2050 + 100 * i)) for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = tiny_llm(tiny_model_dir, enable_prefix_caching=False).generate(cached_prompt, params, use_tqdm=False)
     small = tiny_llm(tiny_model_dir, kv_cache_memory=10 * block_bytes, watermark=0.0)
-    reference = tiny_llm(tiny_model_dir, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
-    for _ in range(2):  # the second round runs against a cache whose blocks were partly evicted
-        outputs = small.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    assert small.stats().num_total_blocks == 10
+
+    def new_hits_generating_the_cached_prompt() -> int:
+        hits_before = small.stats().prefix_cache_hits
+        output = small.generate(cached_prompt, params, use_tqdm=False)
+        assert output[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
+        return small.stats().prefix_cache_hits - hits_before
+
+    assert new_hits_generating_the_cached_prompt() == 0  # cold cache
+    assert new_hits_generating_the_cached_prompt() == 3
+    for filler in fillers:  # 12 blocks through a 10-block cache: the oldest cached prefix goes first
+        small.generate(filler, params, use_tqdm=False)
+    assert new_hits_generating_the_cached_prompt() == 0  # evicted, recomputed and cached again
+    assert new_hits_generating_the_cached_prompt() == 3
     small.engine.block_manager.gpu.check_invariants()
 
 

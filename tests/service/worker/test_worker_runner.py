@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
+import torch
 from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
 
 from api import streams
 from api.app import create_app
 from api.settings import Settings
 from engine import SamplingParams
+from tests.engine.hf_reference import hf_beam, hf_logprobs
 from worker.engine_service import EngineService
 from worker.runner import run_job
 
@@ -82,15 +86,21 @@ def test_cancelling_a_running_job_aborts_it_within_a_second(
 
 
 def test_beam_search_job_returns_its_beams_best_first(
-    service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str], tiny_model_dir: Path
 ) -> None:
     job_id = _submit(service_settings, auth_headers, prompt="Once upon a time", max_tokens=6, beam_width=3,
                      temperature=0.0, ignore_eos=True)
     run_job(job_id, service, SamplingParams)
     job = _job(service_settings, auth_headers, job_id)
     assert job["status"] == "succeeded"
-    assert len(job["choices"]) == 3 and all(len(c["token_ids"]) == 6 for c in job["choices"])
-    assert len({tuple(c["token_ids"]) for c in job["choices"]}) == 3
+    beams = [c["token_ids"] for c in job["choices"]]
+    assert len(beams) == 3 and all(len(beam) == 6 for beam in beams) and len(set(map(tuple, beams))) == 3
+    # the oracle is transformers: its best beam comes first, and its log-probabilities order the rest
+    prompt_ids = AutoTokenizer.from_pretrained(tiny_model_dir).encode("Once upon a time")
+    assert beams[0] == hf_beam(tiny_model_dir, "Once upon a time", beam_width=3, max_tokens=6)
+    scores = [hf_logprobs(tiny_model_dir, prompt_ids, beam).gather(1, torch.tensor(beam)[:, None]).sum().item()
+              for beam in beams]
+    assert scores == sorted(scores, reverse=True)
 
 
 def test_beam_search_with_several_samples_is_refused(
