@@ -29,8 +29,8 @@ class BatchLine:
 
 def _format_error(number: int, line: dict[str, Any], endpoint: str, seen: set[str]) -> str | None:
     custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS:
-        return f"line {number}: custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters"
+    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS or "\x00" in custom_id:
+        return f"line {number}: custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, without NUL"
     if custom_id in seen:
         return f"line {number}: custom_id '{custom_id}' is used by an earlier line; each must be unique"
     if line.get("method") != "POST":

@@ -13,6 +13,7 @@ from api.errors import ApiError
 from api.lifecycle import job_created, transition
 from api.models import ApiKey, Batch, BatchRequest, BatchStatus, Job, JobStatus, new_id, utcnow
 from api.openai_files import BATCH_INPUT, BATCH_OUTPUT, get_file, get_owned, store_file
+from api.ratelimit import check_inflight
 
 MAX_REPORTED_ERRORS = 100
 
@@ -36,6 +37,7 @@ def create_batch(
     batch.in_progress_at = utcnow()
     built = [build_line(key, number, line, endpoint, batch.id) for number, line in lines]
     new_jobs = [line.job for line in built if line.job is not None]
+    check_inflight(session, key, len(new_jobs))  # a batch's jobs count toward the key's cap like /v1/jobs
     for job in new_jobs:
         job.id = new_id("job")
     session.add(batch)
@@ -54,7 +56,7 @@ def request_counts(session: Session, batch: Batch) -> dict[str, int]:
     by_status = dict(session.execute(
         select(Job.status, func.count()).join(BatchRequest, BatchRequest.job_id == Job.id)
         .where(BatchRequest.batch_id == batch.id).group_by(Job.status)
-    ).tuples().all())
+    ).all())
     refused = session.scalar(
         select(func.count()).select_from(BatchRequest)
         .where(BatchRequest.batch_id == batch.id, BatchRequest.job_id.is_(None))

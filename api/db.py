@@ -22,23 +22,26 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 @lru_cache(maxsize=8)
-def engine_for(url: str) -> Engine:
-    """One SQLAlchemy engine per database URL per process."""
+def engine_for(url: str, pool_size: int, max_overflow: int) -> Engine:
+    """One SQLAlchemy engine per database URL and pool size per process."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               pool_size=pool_size, max_overflow=max_overflow)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=60)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow)
 
 
 def session_factory() -> sessionmaker[Session]:
     """A session maker bound to the configured job store."""
-    return _sessionmaker(get_settings().resolved_database_url())
+    settings = get_settings()
+    return _sessionmaker(settings.resolved_database_url(), settings.database_pool_size,
+                         settings.database_max_overflow)
 
 
 @lru_cache(maxsize=8)
-def _sessionmaker(url: str) -> sessionmaker[Session]:
-    return sessionmaker(engine_for(url), expire_on_commit=False)
+def _sessionmaker(url: str, pool_size: int, max_overflow: int) -> sessionmaker[Session]:
+    return sessionmaker(engine_for(url, pool_size, max_overflow), expire_on_commit=False)
 
 
 def get_session() -> Iterator[Session]:

@@ -15,7 +15,7 @@ from api import streams
 from api.errors import ApiError
 from api.lifecycle import job_created, transition
 from api.models import ApiKey, Job, JobStatus
-from api.prompts import prompt_model
+from api.prompts import TokenIdError, prompt_model
 from api.ratelimit import check_inflight
 from api.schemas import JobCreate
 from api.settings import get_settings
@@ -32,6 +32,10 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
         num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field=field_prefix + field)
     except ValueError as exc:
         raise ApiError(422, str(exc), field_prefix + field) from exc
+    try:
+        model.check_token_ids(body.stop_token_ids or [], field_prefix + "stop_token_ids")
+    except TokenIdError as exc:
+        raise ApiError(422, str(exc), field_prefix + "stop_token_ids") from exc
     if body.webhook_url:
         try:
             check_webhook_url(body.webhook_url, get_settings().webhook_allow_private)
@@ -99,7 +103,7 @@ def create_jobs(session: Session, key: ApiKey, bodies: list[JobCreate]) -> list[
 
 def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     """The caller's job, or 404 (also for another key's job, so ids reveal nothing)."""
-    job = session.get(Job, job_id)
+    job = session.get(Job, job_id) if "\x00" not in job_id else None  # PostgreSQL refuses NUL
     if job is None or job.api_key_id != key.id:
         raise ApiError(404, f"job {job_id} not found", "job_id")
     return job
@@ -113,6 +117,8 @@ def _encode_cursor(job: Job) -> str:
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         created_at, job_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        if "\x00" in str(job_id):  # PostgreSQL refuses NUL
+            raise ValueError(job_id)
         return datetime.fromisoformat(created_at), str(job_id)
     except (ValueError, TypeError) as exc:
         raise ApiError(422, "cursor is not a value returned as next_cursor", "cursor") from exc

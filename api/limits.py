@@ -33,25 +33,34 @@ class BodySizeLimit:
             await self._reject(send, max_bytes)
             return
         received = 0
-        started = False
+        too_large = started = replaced = False
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             received += len(message.get("body", b""))
             if received > max_bytes:
+                too_large = True
                 raise BodyTooLarge
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
+        async def replacing_send(message: Message) -> None:
+            # FastAPI turns an error raised while reading the body into its own 400, so a body cut off
+            # here (a chunked one, without Content-Length) gets the 413 in place of what the app answers.
+            nonlocal started, replaced
+            if replaced:
+                return
+            if too_large and not started:
+                replaced = True
+                await self._reject(send, max_bytes)
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await self.app(scope, counting_receive, replacing_send)
         except BodyTooLarge:
-            if not started:
+            if not started and not replaced:
                 await self._reject(send, max_bytes)
 
     async def _reject(self, send: Send, max_bytes: int) -> None:

@@ -43,7 +43,9 @@ def _api_error(exc: ApiError) -> JSONResponse:
     # The job API answers 422 for invalid input; OpenAI clients expect 400 there.
     status_code = 400 if exc.status_code == 422 else exc.status_code
     code = "model_not_found" if exc.field == "model" and exc.status_code == 404 else None
-    return error_response(status_code, exc.message, exc.field, code)
+    response = error_response(status_code, exc.message, exc.field, code)
+    response.headers.update(exc.headers or {})  # Retry-After of a 429 or 503
+    return response
 
 
 class OpenAIRoute(APIRoute):

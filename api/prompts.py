@@ -19,13 +19,18 @@ class PromptTooLongError(ValueError):
     """The prompt plus max_tokens does not fit the model's context window."""
 
 
+class TokenIdError(ValueError):
+    """A token id outside the model's vocabulary (the engine would index past its embeddings)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PromptModel:
-    """What the API needs of the model: its tokenizer, context length and chat template."""
+    """What the API needs of the model: its tokenizer, context length, vocabulary size and chat template."""
 
     name: str
     tokenizer: Tokenizer
     max_model_len: int
+    vocab_size: int
     chat_template: str | None
     special_tokens: dict[str, str]
 
@@ -44,9 +49,17 @@ class PromptModel:
         """Number of prompt tokens the engine will see."""
         return len(self.tokenizer.encode(prompt).ids)
 
+    def check_token_ids(self, token_ids: list[int], field: str) -> None:
+        """TokenIdError naming `field` unless every id is in [0, vocab_size)."""
+        bad = next((i for i in token_ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise TokenIdError(f"{field}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
+
     def check_fits(self, prompt: str, max_tokens: int, field: str = "prompt") -> int:
-        """The prompt's token count, or PromptTooLongError when prompt + max_tokens exceeds the context."""
-        num_tokens = self.count_tokens(prompt)
+        """The prompt's token count; PromptTooLongError past the context, TokenIdError for ids past the vocabulary."""
+        token_ids = self.tokenizer.encode(prompt).ids
+        self.check_token_ids(token_ids, field)
+        num_tokens = len(token_ids)
         if num_tokens + max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"{field}: {num_tokens} prompt tokens + max_tokens {max_tokens} exceed the model's "
@@ -87,10 +100,13 @@ def load_prompt_model(model: str) -> PromptModel:
     template_file = folder / "chat_template.jinja"
     if template is None and template_file.exists():
         template = template_file.read_text()
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     return PromptModel(
         name=model,
-        tokenizer=Tokenizer.from_file(str(folder / "tokenizer.json")),
+        tokenizer=tokenizer,
         max_model_len=int(config.get("max_position_embeddings", 2048)),
+        # the engine's embedding table has config's vocab_size rows (often padded past the tokenizer's)
+        vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
         chat_template=template if isinstance(template, str) else None,
         special_tokens=_special_tokens(tok_config),
     )

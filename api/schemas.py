@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api.models import DeliveryStatus, JobStatus
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-MetadataValue = str | int | float | bool | None
+
+
+def _nul_free(value: str) -> str:
+    # PostgreSQL text cannot hold NUL; refusing it here keeps every store's answer a 422, not a 500.
+    if "\x00" in value:
+        raise ValueError("must not contain the NUL character (\\u0000)")
+    return value
+
+
+NulFreeStr = Annotated[str, AfterValidator(_nul_free)]
+MetadataValue = NulFreeStr | int | float | bool | None
 
 
 class SamplingParamsIn(BaseModel):
@@ -25,12 +35,13 @@ class SamplingParamsIn(BaseModel):
     top_k: int = Field(-1, ge=-1, le=100_000)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[str] | None = Field(None, max_length=16)
+    stop: list[NulFreeStr] | None = Field(None, max_length=16)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=32768)
     logprobs: int | None = Field(None, ge=0, le=20)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # logits are divided or multiplied by it: the engine refuses values below 0.01
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     beam_width: int = Field(1, ge=1, le=16, description="beam search with this many beams when > 1")
@@ -72,17 +83,17 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=400_000)
+    content: NulFreeStr = Field(max_length=400_000)
 
 
 class JobCreate(SamplingParamsIn):
     """Body of POST /v1/jobs: a prompt or chat messages, sampling parameters and delivery options."""
 
-    prompt: str | None = Field(None, min_length=1, max_length=400_000)
+    prompt: NulFreeStr | None = Field(None, min_length=1, max_length=400_000)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-1000, le=1000)
-    metadata: dict[str, MetadataValue] | None = Field(None, max_length=32)
-    webhook_url: str | None = Field(None, min_length=1, max_length=2048)
+    metadata: dict[NulFreeStr, MetadataValue] | None = Field(None, max_length=32)
+    webhook_url: NulFreeStr | None = Field(None, min_length=1, max_length=2048)
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> JobCreate:
@@ -127,7 +138,6 @@ class JobOut(BaseModel):
     metadata: dict[str, Any] | None = Field(validation_alias="metadata_")
     webhook_url: str | None
     attempts: int
-    worker_id: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
     text: str | None = None

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -19,6 +19,8 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("~/.local/share/pagedserve"), description="embedded SQLite, Redis files, uploads")
     cache_dir: Path = Field(Path("~/.cache/pagedserve"), description="converted model weights")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the job store (default: SQLite in data dir)")
+    database_pool_size: int = Field(10, ge=1, description="database connections a process keeps open")
+    database_max_overflow: int = Field(60, ge=0, description="extra database connections a process may open at peaks")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker and token event streams")
     redis_key_prefix: str = Field("pagedserve:", description="prefix of every Redis key the service writes")
     host: str = Field("127.0.0.1", description="where the API listens")
@@ -49,6 +51,12 @@ class Settings(BaseSettings):
     reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
     rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
     max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
+
+    @field_validator("data_dir", "cache_dir", mode="after")
+    @classmethod
+    def _expand_home(cls, value: Path | None) -> Path | None:
+        # children get these paths through the environment; an unexpanded ~ would become a folder named "~"
+        return value.expanduser() if value is not None else None
 
     def resolved_data_dir(self) -> Path:
         """The data directory, expanded and created."""

@@ -49,6 +49,8 @@ async def job_events(
 ) -> StreamingResponse:
     """Stream `token` events ({index, text, token_ids} deltas) and one final `done` event with the job."""
     await run_in_threadpool(jobs.get_job, session, key, job_id)
+    # A stream can last minutes: it must not keep a pooled connection (follow_job reads in short sessions).
+    await run_in_threadpool(session.close)
     return StreamingResponse(
         _events(request, job_id, last_event_id or "0-0"),
         media_type="text/event-stream",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from fastapi import APIRouter
@@ -12,6 +13,7 @@ from api import streams
 from api.db import session_factory
 
 router = APIRouter(tags=["health"])
+logger = logging.getLogger("pagedserve.api")
 
 
 @router.get("/healthz")
@@ -20,11 +22,13 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-def _check(probe: Callable[[], object]) -> str:
+def _check(name: str, probe: Callable[[], object]) -> str:
     try:
         probe()
-    except Exception as exc:
-        return f"error: {exc.__class__.__name__}: {exc}"
+    except Exception:
+        # the exception text can name hosts and users; callers here are not authenticated, the log is private
+        logger.warning("readyz.%s_unavailable", name, exc_info=True)
+        return "error: unavailable"
     return "ok"
 
 
@@ -36,6 +40,7 @@ def _ping_database() -> None:
 @router.get("/readyz")
 def readyz() -> JSONResponse:
     """Ready when the job store and Redis both answer (503 naming the one that does not)."""
-    checks = {"database": _check(_ping_database), "redis": _check(lambda: streams.redis_client().ping())}
+    checks = {"database": _check("database", _ping_database),
+              "redis": _check("redis", lambda: streams.redis_client().ping())}
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"status": "ok" if ready else "unavailable", **checks}, status_code=200 if ready else 503)

@@ -33,6 +33,8 @@ async def _answer(
     endpoint: str,
 ) -> Response:
     job, _ = await run_in_threadpool(create_job, session, key, body.to_job(), None)
+    # Waiting or streaming can last minutes: release the pooled connection (the relay reads in short sessions).
+    await run_in_threadpool(session.close)
     model = served_model_id()
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -7,10 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from sqlalchemy import select
 from tests.service.e2e.support import offline_greedy, wait_final
 from tests.service.procs import wait_until
 from tests.service.receiver import WebhookReceiver
 
+from api.db import session_factory
+from api.models import Job
 from api.settings import Settings
 from worker import heartbeat, webhooks
 
@@ -30,7 +33,9 @@ def test_32_concurrent_jobs_match_offline_greedy_and_were_batched(
     assert {job["status"] for job in jobs} == {"succeeded"}
     assert [job["choices"][0]["token_ids"] for job in jobs] == offline_greedy(service_model_dir, PROMPTS, MAX_TOKENS)
     # the worker publishes its stats about once a second, so the latest snapshot may predate the jobs
-    wait_until(lambda: (heartbeat.read_stats(jobs[0]["worker_id"]) or {}).get("peak_num_running", 0) > 1,
+    with session_factory()() as session:  # tenants are not shown worker ids; the store has them
+        worker_id = session.scalar(select(Job.worker_id).where(Job.id == jobs[0]["id"]))
+    wait_until(lambda: (heartbeat.read_stats(worker_id) or {}).get("peak_num_running", 0) > 1,
                timeout_s=10, what="stats showing more than one job running at once")
 
 

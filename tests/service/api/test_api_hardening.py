@@ -1,0 +1,180 @@
+"""What one tenant sends cannot reach the engine or the store in a shape that breaks them for everyone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.prompts import load_prompt_model, prompt_model
+from api.schemas import JobCreate
+from api.settings import Settings, configure
+from engine.sampling_params import SamplingParams
+
+NUL = "\u0000"
+
+
+def _model_id(client: TestClient, headers: dict[str, str]) -> str:
+    return client.get("/v1/models", headers=headers).json()["data"][0]["id"]
+
+
+# --- model-aware validation -------------------------------------------------------------------------------------
+
+
+def test_vocab_size_comes_from_the_model_config(api_model_dir: Path, tmp_path: Path) -> None:
+    shutil.copytree(api_model_dir, tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 128, "vocab_size": 64}))
+    model = load_prompt_model(str(tmp_path / "model"))
+    assert model.vocab_size == 64
+    model.check_token_ids([0, 63], "stop_token_ids")
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 64 is outside the model's vocabulary \[0, 64\)"):
+        model.check_token_ids([0, 64], "stop_token_ids")
+
+
+def test_the_reported_stop_token_attack_is_422_naming_stop_token_ids(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    body = {"prompt": "Hi", "max_tokens": 4, "stop_token_ids": [1000000000], "min_tokens": 1}
+    response = client.post("/v1/jobs", json=body, headers=auth_headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == "stop_token_ids"
+    assert "1000000000" in response.json()["error"]["message"]
+
+
+def test_a_stop_token_id_equal_to_the_vocab_size_is_refused_and_one_below_accepted(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    vocab_size = prompt_model().vocab_size
+    refused = client.post("/v1/jobs", json={"prompt": "Hi", "stop_token_ids": [vocab_size]}, headers=auth_headers)
+    accepted = client.post("/v1/jobs", json={"prompt": "Hi", "stop_token_ids": [vocab_size - 1]},
+                           headers=auth_headers)
+    assert (refused.status_code, accepted.status_code) == (422, 202)
+
+
+def test_a_batch_names_the_job_whose_stop_token_id_is_out_of_range(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    jobs = [{"prompt": "Hi"}, {"prompt": "Hi", "stop_token_ids": [10**9]}]
+    response = client.post("/v1/jobs/batch", json={"jobs": jobs}, headers=auth_headers)
+    assert response.status_code == 422 and response.json()["error"]["field"] == "jobs.1.stop_token_ids"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_routes_refuse_out_of_vocabulary_stop_ids_in_openai_shape(
+    client: TestClient, auth_headers: dict[str, str], path: str
+) -> None:
+    prompt: dict[str, Any] = {"prompt": "Hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "Hi"}]}
+    body = {"model": _model_id(client, auth_headers), **prompt, "max_tokens": 4, "stop_token_ids": [10**9]}
+    response = client.post(path, json=body, headers=auth_headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stop_token_ids" and error["type"] == "invalid_request_error"
+
+
+def test_a_temperature_too_small_to_divide_by_is_accepted_as_greedy(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    # vLLM treats temperatures below its epsilon as greedy; the engine does the same, so the API accepts them
+    response = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 4, "temperature": 1e-40},
+                           headers=auth_headers)
+    assert response.status_code == 202 and response.json()["params"]["temperature"] == 1e-40
+
+
+API_EXTREMES: list[dict[str, Any]] = [
+    {"temperature": 0.0, "top_p": 5e-324, "top_k": 1, "min_p": 1.0, "seed": 0, "repetition_penalty": 0.01,
+     "presence_penalty": -2.0, "frequency_penalty": -2.0, "logprobs": 0, "length_penalty": -10.0},
+    {"temperature": 10.0, "top_p": 1.0, "top_k": 100_000, "min_p": 0.0, "seed": 2**63 - 1,
+     "repetition_penalty": 10.0, "presence_penalty": 2.0, "frequency_penalty": 2.0, "logprobs": 20, "n": 16,
+     "max_tokens": 32768, "min_tokens": 32768, "stop_token_ids": [0]},
+    {"temperature": 1e-40, "beam_width": 16, "length_penalty": 10.0},
+]
+
+
+@pytest.mark.parametrize("extremes", API_EXTREMES)
+def test_every_value_the_api_accepts_the_engine_accepts(extremes: dict[str, Any]) -> None:
+    params = JobCreate(prompt="Hi", **extremes).sampling_params()
+    SamplingParams(**params)  # raises ValueError naming the argument the engine refuses
+
+
+def test_a_repetition_penalty_the_engine_refuses_is_422(client: TestClient, auth_headers: dict[str, str]) -> None:
+    response = client.post("/v1/jobs", json={"prompt": "Hi", "repetition_penalty": 1e-300}, headers=auth_headers)
+    assert response.status_code == 422 and response.json()["error"]["field"] == "repetition_penalty"
+
+
+# --- NUL characters and oversized bodies --------------------------------------------------------------------------
+
+NUL_BODIES: list[tuple[dict[str, Any], str]] = [
+    ({"prompt": f"Hi{NUL}there"}, "prompt"),
+    ({"messages": [{"role": "user", "content": f"Hi{NUL}"}]}, "messages.0.content"),
+    ({"prompt": "Hi", "stop": [f"a{NUL}"]}, "stop.0"),
+    ({"prompt": "Hi", "metadata": {"note": f"x{NUL}"}}, "metadata.note"),
+    ({"prompt": "Hi", "metadata": {f"k{NUL}": "x"}}, "metadata"),
+    ({"prompt": "Hi", "webhook_url": f"http://127.0.0.1/{NUL}"}, "webhook_url"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), NUL_BODIES, ids=[field for _, field in NUL_BODIES])
+def test_a_nul_character_in_a_text_field_is_422_naming_it(
+    client: TestClient, auth_headers: dict[str, str], body: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/jobs", json=body, headers=auth_headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"].startswith(field) and "NUL" in response.json()["error"]["message"]
+
+
+def test_a_nul_character_in_an_openai_prompt_is_400_naming_prompt(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    body = {"model": _model_id(client, auth_headers), "prompt": f"Hi{NUL}", "max_tokens": 2}
+    response = client.post("/v1/completions", json=body, headers=auth_headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+def test_a_nul_character_in_a_job_id_is_404(client: TestClient, auth_headers: dict[str, str]) -> None:
+    assert client.get("/v1/jobs/job_%00", headers=auth_headers).status_code == 404
+
+
+def test_an_oversized_chunked_body_without_content_length_is_413(
+    client: TestClient, auth_headers: dict[str, str], service_settings: Settings
+) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(service_settings.max_body_bytes // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    headers = {**auth_headers, "Content-Type": "application/json"}
+    response = client.post("/v1/jobs", content=chunks(), headers=headers)
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 413 and response.json()["error"]["field"] == "body"
+
+
+# --- what tenants and unauthenticated callers are shown ---------------------------------------------------------
+
+
+def test_jobs_do_not_show_the_worker_id(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job = client.post("/v1/jobs", json={"prompt": "Hi"}, headers=auth_headers).json()
+    assert "worker_id" not in job and "worker_id" not in client.get(f"/v1/jobs/{job['id']}", headers=auth_headers).json()
+
+
+def test_readyz_does_not_echo_the_exception_text(service_settings: Settings) -> None:
+    broken = service_settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    try:
+        response = TestClient(create_app(broken)).get("/readyz")
+    finally:
+        configure(service_settings)
+    assert response.status_code == 503 and response.json()["redis"] == "error: unavailable"
+    assert "127.0.0.1" not in response.text and "Error" not in response.text
+
+
+def test_home_in_path_settings_is_expanded() -> None:
+    settings = Settings(data_dir="~/pagedserve-data", cache_dir="~/pagedserve-cache")
+    assert settings.data_dir == Path.home() / "pagedserve-data"
+    assert settings.cache_dir == Path.home() / "pagedserve-cache"
