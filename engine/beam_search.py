@@ -31,6 +31,16 @@ def _normalised(cumulative_logprob: float, num_generated: int, length_penalty: f
     return cumulative_logprob / (num_generated**length_penalty)
 
 
+def _continuation_logprobs(beams: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """Cumulative logprob of every (beam, token), always finite: NaN and +inf logits are masked,
+    and what would be -inf (or NaN, for a row with no finite logit) is fp32's lowest value."""
+    lowest = torch.finfo(torch.float32).min
+    finite = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=float("-inf"), neginf=float("-inf"))
+    logprobs = torch.nan_to_num(finite.log_softmax(dim=-1), nan=lowest, neginf=lowest)
+    running = torch.tensor([beam.cumulative_logprob for beam in beams], dtype=torch.float32, device=logits.device)
+    return (logprobs + running[:, None]).clamp_(min=lowest)
+
+
 def beam_step(
     beams: list[Sequence], logits: torch.Tensor, beam_width: int, max_tokens: int,
     length_penalty: float, eos_token_ids: set[int], hypotheses: list[BeamHypothesis],
@@ -38,9 +48,7 @@ def beam_step(
     """Rank every (beam, token) continuation by cumulative logprob (fp32, as transformers does)
     and keep the ``beam_width`` best that do not end in EOS; EOS endings among the top
     ``beam_width`` become hypotheses."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    running = torch.tensor([beam.cumulative_logprob for beam in beams], dtype=torch.float32)
-    totals = (logprobs + running[:, None]).view(-1)
+    totals = _continuation_logprobs(beams, logits).view(-1)
     values, indices = totals.topk(min(2 * beam_width, totals.numel()))
     vocab = logits.shape[-1]
     num_generated = beams[0].num_output_tokens + 1

@@ -1,4 +1,9 @@
-"""Logits → next tokens: penalties, min-token suppression, temperature, top-k/p, min-p, logprobs."""
+"""Logits → next tokens: penalties, min-token suppression, temperature, top-k/p, min-p, logprobs.
+
+Numerically safe: NaN and +inf never reach a softmax, and a row whose distribution is degenerate
+(NaN or +inf logits, every token masked) takes the arg-max of its finite logits, so every token
+returned lies in ``[0, vocab)``. Every tensor is made on ``logits.device``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+FP32 = torch.finfo(torch.float32)
 
 
 @dataclass(slots=True)
@@ -33,12 +41,12 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     output_token_ids = row.token_ids[row.prompt_len :]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and output_token_ids:
-        counts = torch.bincount(torch.tensor(output_token_ids, dtype=torch.long), minlength=logits.shape[0])
-        counts = counts[: logits.shape[0]].to(logits.dtype)
+        output = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(output, minlength=logits.shape[0])[: logits.shape[0]].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -50,76 +58,99 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     probs = sorted_logits.softmax(dim=-1)
     # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    return logits.masked_fill(probs < threshold, NEG_INF)
 
 
-def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
-    logits = logits / temperature[:, None]
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows])
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
-    if bool((top_k < vocab).any() or (top_p < 1).any()):
-        logits = _filter_top_k_top_p(logits, top_k, top_p)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
-    if bool((min_p > 0).any()):
-        logits = _filter_min_p(logits, min_p)
-    return _inverse_cdf_sample(logits.softmax(dim=-1), rows).tolist()
+def _row_values(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _random_sample(finite: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``finite`` (no NaN or +inf); also which rows had nothing to draw from."""
+    vocab = finite.shape[-1]
+    row_max = finite.amax(dim=-1, keepdim=True)
+    empty = torch.isneginf(row_max)  # every token masked: drawn from a uniform, then replaced
+    # shifted by the row's max, the logits are <= 0 with a 0, so dividing by any temperature stays
+    # in [-inf, 0] (never NaN or +inf) and the softmax has mass; temperature inf would give -inf/inf
+    temperature = _row_values([r.params.temperature for r in rows], finite).clamp_(max=FP32.max)
+    logits = torch.where(empty, 0.0, finite - row_max) / temperature[:, None]
+    top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
+        top_k_tensor = torch.tensor(top_k, dtype=torch.long, device=finite.device)
+        logits = _filter_top_k_top_p(logits, top_k_tensor, _row_values(top_p, finite))
+    min_p = [r.params.min_p for r in rows]
+    if any(p > 0 for p in min_p):
+        logits = _filter_min_p(logits, _row_values(min_p, finite))
+    tokens, total = _inverse_cdf_sample(logits.softmax(dim=-1), rows)
+    return tokens, empty[:, 0] | ~torch.isfinite(total) | (total <= 0)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``probs``: the first whose cumulative mass exceeds a uniform draw from
     that row's own generator. One random number per row (``torch.multinomial`` draws one per
-    vocabulary entry), and a seeded row's draws do not depend on the rest of the batch."""
+    vocabulary entry), and a seeded row's draws do not depend on the rest of the batch.
+    Returns the tokens and each row's total mass."""
     cumulative = probs.cumsum(dim=-1)
     total = cumulative[:, -1]
-    uniform = torch.stack([torch.rand((), generator=row.generator) for row in rows])
+    # drawn on the generators' device (the engine's are CPU generators, so seeded draws are the
+    # same on every device), then moved to the logits' device in one copy
+    uniform = torch.stack([torch.rand((), generator=row.generator, device=row.generator.device) for row in rows])
+    uniform = uniform.to(device=probs.device, dtype=probs.dtype)
     # strictly below the total, so the token found always has a positive probability
     targets = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
+    tokens = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
+    return tokens.clamp_(0, probs.shape[-1] - 1), total
 
 
-def _logprobs(raw_logits: torch.Tensor, token_id: int, num_top: int) -> dict[int, float]:
-    logprobs = raw_logits.log_softmax(dim=-1)
-    result: dict[int, float] = {}
-    if num_top:
-        values, ids = logprobs.topk(num_top)
-        result.update(zip(ids.tolist(), values.tolist()))
-    result[token_id] = float(logprobs[token_id])
-    return result
+def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+    """Logprobs of the raw model output for the rows that asked: the chosen token and the top ones.
+    Non-finite values are clamped to fp32's range so results are always finite numbers."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    results: list[dict[int, float] | None] = [None] * len(rows)
+    if not wanted:
+        return results
+    index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
+    finite = torch.nan_to_num(raw.index_select(0, index).float(), nan=NEG_INF, posinf=FP32.max, neginf=NEG_INF)
+    logprobs = torch.nan_to_num(finite.log_softmax(dim=-1), nan=FP32.min, neginf=FP32.min)
+    chosen_ids = torch.tensor([tokens[i] for i in wanted], dtype=torch.long, device=raw.device)
+    chosen = logprobs.gather(-1, chosen_ids[:, None])[:, 0].tolist()
+    num_top = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[-1])
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    for j, (i, values, ids) in enumerate(zip(wanted, top_values.tolist(), top_ids.tolist())):
+        num = rows[i].params.logprobs or 0
+        entry = dict(zip(ids[:num], values[:num]))
+        entry[tokens[i]] = chosen[j]
+        results[i] = entry
+    return results
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """One token per row of ``logits [rows, vocab]`` (fp32); logprobs are of the raw model output."""
-    raw = logits
     edited = [i for i, row in enumerate(rows) if row.params.has_penalties or row.suppressed_token_ids]
-    if edited:  # keep the raw logits intact for logprobs
-        logits = logits.clone()
+    work = logits.clone() if edited else logits  # keep the raw logits intact for logprobs
     for i in edited:
         row = rows[i]
         if row.params.has_penalties:
-            apply_penalties(logits[i], row)
+            apply_penalties(work[i], row)
         if row.suppressed_token_ids:
-            logits[i, row.suppressed_token_ids] = float("-inf")
-    tokens = [0] * len(rows)
-    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
-    if greedy:
-        greedy_logits = logits if len(greedy) == len(rows) else logits[greedy]  # no copy in the common case
-        for i, token in zip(greedy, greedy_logits.argmax(dim=-1).tolist()):
-            tokens[i] = token
+            work[i, row.suppressed_token_ids] = NEG_INF
+    broken = ~torch.isfinite(work.amax(dim=-1))  # a NaN or +inf logit, or every token masked
+    finite = torch.nan_to_num(work, nan=NEG_INF, posinf=NEG_INF, neginf=NEG_INF)
+    tokens = finite.argmax(dim=-1)  # greedy rows, and the fallback of degenerate random rows
     randomized = [i for i, row in enumerate(rows) if not row.params.greedy]
     if randomized:
-        picked = _random_sample(logits[randomized], [rows[i] for i in randomized])
-        for i, token in zip(randomized, picked):
-            tokens[i] = token
-    return [
-        SampleResult(token, _logprobs(raw[i], token, row.params.logprobs) if row.params.logprobs is not None else None)
-        for i, (token, row) in enumerate(zip(tokens, rows))
-    ]
+        index = torch.tensor(randomized, dtype=torch.long, device=logits.device)
+        every_row = len(randomized) == len(rows)
+        drawn, degenerate = _random_sample(finite if every_row else finite[index], [rows[i] for i in randomized])
+        fallback = tokens.index_select(0, index)
+        tokens = tokens.index_copy(0, index, torch.where(degenerate | broken[index], fallback, drawn))
+    token_ids = tokens.tolist()  # the step's one read-back of sampled tokens
+    return [SampleResult(token, entry) for token, entry in zip(token_ids, _logprobs(logits, token_ids, rows))]

@@ -7,11 +7,20 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+# Below this temperature, dividing the logits overflows fp32 (and 1e-40 is subnormal): decode greedily.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided or multiplied by it
+LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # beam scores divide by length ** length_penalty
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_finite_number(value: object) -> bool:
@@ -49,23 +58,24 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _require(
-            isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_N,
+            _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_N,
             f"beam_width must be an integer between 1 and {MAX_N}, got {self.beam_width!r}",
         )
+        low, high = LENGTH_PENALTY_RANGE
         _require(
-            _is_finite_number(self.length_penalty),
-            f"length_penalty must be a finite number, got {self.length_penalty!r}",
+            _is_finite_number(self.length_penalty) and low <= self.length_penalty <= high,
+            f"length_penalty must be between {low} and {high}, got {self.length_penalty!r}",
         )
         _require(
             self.beam_width == 1 or self.n == 1,
             f"n must be 1 with beam search (the beam_width best beams are returned), got n={self.n!r}",
         )
         _require(
-            isinstance(self.n, int) and 1 <= self.n <= MAX_N,
+            _is_int(self.n) and 1 <= self.n <= MAX_N,
             f"n must be an integer between 1 and {MAX_N}, got {self.n!r}",
         )
         _require(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
         _require(
@@ -77,7 +87,7 @@ class SamplingParams:
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
         _require(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
         )
         _require(
@@ -85,28 +95,29 @@ class SamplingParams:
             f"min_p must be in [0, 1], got {self.min_p!r}",
         )
         _require(
-            self.seed is None or isinstance(self.seed, int),
-            f"seed must be an integer or None, got {self.seed!r}",
+            self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+            f"seed must be None or an integer between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed!r}",
         )
         _require(
             all(isinstance(s, str) and s for s in self.stop),
             f"stop must be a list of non-empty strings, got {self.stop!r}",
         )
         _require(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
         )
         _require(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
         )
         _require(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be None or an integer between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}",
         )
+        low, high = REPETITION_PENALTY_RANGE
         _require(
-            _is_finite_number(self.repetition_penalty) and self.repetition_penalty > 0,
-            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
+            _is_finite_number(self.repetition_penalty) and low <= self.repetition_penalty <= high,
+            f"repetition_penalty must be between {low} and {high}, got {self.repetition_penalty!r}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -122,8 +133,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding takes the arg-max token (temperature 0)."""
-        return self.temperature == 0.0
+        """True when decoding takes the arg-max token (temperature 0, or too small to divide by)."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -1,11 +1,19 @@
-"""The sampler's random path draws tokens with the softmax's probabilities, never a masked one."""
+"""The sampler draws tokens with the softmax's probabilities, never a masked one, and stays inside
+the vocabulary whatever the parameters and logits (NaN, infinities, subnormal temperatures)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine import SamplingParams
+from engine.beam_search import beam_step
 from engine.sampler import SamplingRow, sample
+from engine.sampling_params import MIN_SAMPLING_TEMPERATURE
+from engine.sequence import Sequence
 
 
 def rows(count: int, seed: int, **params: object) -> list[SamplingRow]:
@@ -38,3 +46,113 @@ def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_batch() -> None:
     batch = rows(3, seed=99, temperature=1.0)
     batch[1] = rows(1, seed=11, temperature=1.0)[0]
     assert sample(logits.clone(), batch)[1].token_id == alone
+
+
+# ---- numerical safety ------------------------------------------------------------------------
+EXTREME_TEMPERATURES = [1e-45, 1e-40, 1e-6, 1e-5, 0.5, 1.0, 100.0, 1e30, 3.4e38, 1e300]
+logit_values = st.floats(width=32, allow_nan=True, allow_infinity=True) | st.sampled_from([3.4e38, -3.4e38, 1e-45])
+
+
+@st.composite
+def sampling_rows(draw: st.DrawFn, vocab: int) -> SamplingRow:
+    params = SamplingParams(
+        temperature=draw(st.sampled_from([0.0, *EXTREME_TEMPERATURES]) | st.floats(0.0, 1e38)),
+        top_k=draw(st.sampled_from([-1, 1, 2, vocab, 10 * vocab])),
+        top_p=draw(st.floats(1e-9, 1.0)),
+        min_p=draw(st.floats(0.0, 1.0)),
+        repetition_penalty=draw(st.sampled_from([0.01, 0.5, 1.0, 2.0, 100.0])),
+        presence_penalty=draw(st.floats(-2.0, 2.0)),
+        frequency_penalty=draw(st.floats(-2.0, 2.0)),
+        logprobs=draw(st.none() | st.integers(0, 3)),
+        seed=draw(st.integers(0, 2**32)),
+    )
+    token_ids = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8))
+    suppressed = draw(st.lists(st.integers(0, vocab - 1), max_size=vocab))
+    generator = torch.Generator().manual_seed(params.seed)
+    return SamplingRow(params, generator, token_ids, draw(st.integers(0, len(token_ids))), suppressed)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingRow]]:
+    vocab = draw(st.integers(1, 24))
+    num_rows = draw(st.integers(1, 4))
+    values = draw(st.lists(logit_values, min_size=vocab * num_rows, max_size=vocab * num_rows))
+    logits = torch.tensor(values, dtype=torch.float32).view(num_rows, vocab)
+    return logits, [draw(sampling_rows(vocab)) for _ in range(num_rows)]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_any_parameters_and_logits_give_in_vocabulary_tokens_and_finite_logprobs(
+    batch: tuple[torch.Tensor, list[SamplingRow]],
+) -> None:
+    logits, batch_rows = batch
+    raw = logits.clone()
+    results = sample(logits, batch_rows)
+    assert torch.equal(logits.nan_to_num(), raw.nan_to_num())  # the caller's logits are never edited
+    for result, row in zip(results, batch_rows):
+        assert 0 <= result.token_id < logits.shape[-1]
+        if row.params.logprobs is not None:
+            assert result.token_id in result.logprobs
+            assert all(math.isfinite(v) and v <= 0 for v in result.logprobs.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(logit_values, min_size=2, max_size=16), st.sampled_from(EXTREME_TEMPERATURES))
+def test_a_row_with_nan_or_infinite_logits_takes_the_argmax_of_its_finite_ones(
+    values: list[float], temperature: float,
+) -> None:
+    logits = torch.tensor([values], dtype=torch.float32)
+    logits[0, 0] = float("nan")
+    logits[0, -1] = float("inf")
+    finite = logits.nan_to_num(nan=float("-inf"), posinf=float("-inf"))
+    expected = int(finite.argmax()) if bool(torch.isfinite(finite).any()) else 0
+    assert sample(logits, rows(1, seed=0, temperature=temperature))[0].token_id == expected
+
+
+def test_a_row_whose_every_token_is_masked_falls_back_to_greedy() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    row = SamplingRow(SamplingParams(temperature=1.0, top_k=1), torch.Generator(), [], 0, [0, 1, 2, 3])
+    assert sample(logits, [row])[0].token_id in range(4)
+    row.suppressed_token_ids = [1, 3]
+    assert sample(logits, [row])[0].token_id == 2  # the one kept by top_k=1 after suppression
+
+
+def test_temperature_too_small_to_divide_by_is_greedy() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0]]).expand(50, -1).contiguous()
+    assert SamplingParams(temperature=1e-40).greedy
+    assert {r.token_id for r in sample(logits, rows(50, seed=1, temperature=1e-40))} == {1}
+    assert not SamplingParams(temperature=MIN_SAMPLING_TEMPERATURE).greedy
+
+
+def test_huge_logits_and_temperatures_sample_finite_probabilities() -> None:
+    logits = torch.tensor([[1e38, -1e38, 5e37, float("-inf")]]).expand(400, -1).contiguous()
+    assert {r.token_id for r in sample(logits, rows(400, seed=2, temperature=1e-5))} == {0}
+    # at an enormous temperature (inf in fp32) the finite logits become about equally likely;
+    # the masked one is never drawn
+    assert {r.token_id for r in sample(logits, rows(400, seed=2, temperature=1e300))} == {0, 1, 2}
+
+
+# ---- device placement --------------------------------------------------------------------------
+def test_sampler_and_beam_search_create_every_tensor_on_the_logits_device() -> None:
+    """With the default device set elsewhere (meta), a tensor made without ``device=`` would not
+    meet the logits' device, as a CPU tensor would not meet CUDA logits."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    expected = sample(logits, _mixed_rows())
+    with torch.device("meta"):
+        assert sample(logits, _mixed_rows()) == expected
+        beams = [Sequence([1, 2, 3], 2), Sequence([1, 2, 4], 2)]
+        step = beam_step(beams, logits[:2], 2, 5, 1.0, {0}, [])
+    assert all(0 <= c.token_id < 40 for c in step.choices)
+
+
+def _mixed_rows() -> list[SamplingRow]:
+    kinds = [
+        dict(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+        dict(temperature=0.9, top_k=5, top_p=0.8, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3, seed=4),
+        dict(temperature=1.2, seed=5, logprobs=0),
+    ]
+    return [
+        SamplingRow(SamplingParams(**kind), torch.Generator().manual_seed(i), [1, 2, 2, 7], 2, [3])
+        for i, kind in enumerate(kinds)
+    ]
