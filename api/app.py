@@ -11,7 +11,7 @@ from api.limits import UPLOAD_OVERHEAD_BYTES, BodySizeLimit
 from api.metrics import HttpLatencyMiddleware
 from api.routes import events, health, jobs
 from api.routes import metrics as metrics_route
-from api.routes import openai_batch, openai_inference
+from api.routes import openai_batch, openai_inference, tokenize, version
 from api.settings import Settings, configure, get_settings
 
 
@@ -21,7 +21,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         configure(settings)
     app = FastAPI(
         title="pagedserve",
-        version="0.1.0",
+        version=version.pagedserve_version(),
         summary="LLM generation jobs on a PagedAttention engine: submit, stream, poll, get webhooks.",
     )
     install_error_handlers(app)
@@ -31,6 +31,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics_route.router)
     app.include_router(openai_inference.router)
     app.include_router(openai_batch.router)
+    app.include_router(tokenize.router)
+    app.include_router(version.router)
     limits = get_settings()
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes,
                        path_limits={"/v1/files": limits.max_file_bytes + UPLOAD_OVERHEAD_BYTES})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -12,15 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
+from api.cli_flags import add_settings_flags, command_settings, flag_errors
 from api.settings import Settings, configure
 
 DEV_KEY_FILE = "dev-api-key"
-
-
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("settings (each also PAGEDSERVE_<NAME>)")
-    for name, field in Settings.model_fields.items():
-        group.add_argument(f"--{name.replace('_', '-')}", dest=f"setting_{name}", default=None, help=field.description)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -35,8 +33,28 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that gives a child process these settings."""
     values = settings.model_dump(mode="json", exclude_none=True)
-    return {**os.environ, **{f"PAGEDSERVE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
-                             for k, v in values.items()}}
+    return {**os.environ, **{f"PAGEDSERVE_{k.upper()}": _env_value(v) for k, v in values.items()}}
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, list) else str(value)  # pydantic-settings reads lists as JSON
+
+
+def check_startup(settings: Settings, command: str) -> None:
+    """Fail before serving, naming the setting, on values only the model or the engine can judge."""
+    from api.prompts import prompt_model
+
+    try:
+        prompt_model()  # max_model_len against the model's context, the tokenizer, the chat template
+        if command != "api":
+            from engine.config import EngineConfig
+            from worker.service import engine_kwargs
+
+            EngineConfig(**engine_kwargs(settings))
+    except ValueError as exc:
+        raise SystemExit(f"pagedserve {command}: {exc}") from exc
 
 
 def cmd_api(settings: Settings, _args: argparse.Namespace) -> None:
@@ -45,12 +63,16 @@ def cmd_api(settings: Settings, _args: argparse.Namespace) -> None:
 
     from api.app import create_app
 
+    check_startup(settings, "api")
+
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 
 def cmd_worker(settings: Settings, _args: argparse.Namespace) -> None:
     """Run a worker with its engine."""
     from worker.main import run_worker
+
+    check_startup(settings, "worker")
 
     run_worker(settings)
 
@@ -98,6 +120,7 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
     from api import migrate
     from api.embedded_redis import redis_reachable, start_redis
 
+    check_startup(settings, "up")
     signal.signal(signal.SIGTERM, _stop_on_signal)
     children: list[subprocess.Popen[bytes]] = []
     try:
@@ -124,7 +147,10 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
 def _parser() -> argparse.ArgumentParser:
     from api.client import add_client_commands
 
+    from api.routes.version import pagedserve_version
+
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pagedserve {pagedserve_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Any]] = {
         "up": cmd_up, "api": cmd_api, "worker": cmd_worker, "migrate": cmd_migrate,
@@ -140,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=cmd_create_key)
     add_client_commands(commands)
     for sub in _all_subparsers(commands):
-        _add_settings_flags(sub)
+        add_settings_flags(sub, command_settings(sub.prog.split()[1]))
     return parser
 
 
@@ -157,8 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     for noisy in ("alembic.runtime.plugins", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args = _parser().parse_args(argv)
-    args.handler(settings_from(args), args)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from(args)
+    except ValidationError as exc:
+        parser.error(flag_errors(exc))
+    args.handler(settings, args)
 
 
 if __name__ == "__main__":

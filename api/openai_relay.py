@@ -18,8 +18,8 @@ from api.errors import ApiError
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
 from api.models import ApiKey, Job, JobStatus
 from api.openai_errors import error_object
-from api.openai_responses import chunk, delta_choice, final_choices, usage
-from api.openai_schemas import CHAT_COMPLETIONS
+from api.openai_responses import chunk, choice_index, delta_choice, echoed_prompt, final_choices, total_usage, usage
+from api.openai_schemas import CHAT_COMPLETIONS, StreamOptions
 
 DISCONNECT_CHECK_S = 0.5
 
@@ -66,52 +66,105 @@ async def wait_for_job(request: Request, key: ApiKey, job_id: str, timeout_s: fl
     raise AssertionError("a job's event stream ends with its final event")
 
 
+async def wait_for_jobs(request: Request, key: ApiKey, job_ids: list[str], timeout_s: float) -> list[Job] | None:
+    """Each job once final, in order; None if the client disconnects first; the rest are cancelled on any exit."""
+    finals: list[Job] = []
+    try:
+        for job_id in job_ids:
+            final = await wait_for_job(request, key, job_id, timeout_s)
+            if final is None:
+                return None
+            finals.append(final)
+        return finals
+    finally:
+        for job_id in job_ids[len(finals) + 1:]:  # wait_for_job cancelled the one it gave up on
+            await cancel_unfinished(key, job_id)
+
+
 def _data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _closing_chunks(job: Job, model: str, endpoint: str, include_usage: bool) -> list[str]:
-    problem = failure(job)
-    if problem is not None:
-        return [_data({"error": error_object(problem.status_code, problem.message, None)})]
-    chunks = [_data(chunk(job, model, endpoint, final_choices(job, endpoint)))]
-    if include_usage:
-        chunks.append(_data({**chunk(job, model, endpoint, []), "usage": usage(job)}))
-    return chunks
+class _JobRelay:
+    """The stream chunks of one job (the job answering prompt `prompt_index` of the request)."""
 
+    def __init__(self, job: Job, prompt_index: int, model: str, endpoint: str, continuous_usage: bool) -> None:
+        self.job, self.prompt_index, self.model, self.endpoint = job, prompt_index, model, endpoint
+        self.continuous_usage = continuous_usage
+        self.completion_tokens = 0
+        self.ok = True  # False once the job's stream ended with an error chunk
 
-async def stream_job(
-    request: Request, key: ApiKey, job: Job, model: str, endpoint: str, include_usage: bool
-) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a disconnect cancels the job."""
-    finished = False
-    try:
-        if endpoint == CHAT_COMPLETIONS:
-            roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                     for i in range(job.params["n"])]
-            yield _data(chunk(job, model, endpoint, roles))
-        async with aclosing(follow_job(job.id)) as events:
+    def _chunk(self, choices: list[dict[str, Any]]) -> str:
+        payload = chunk(self.job, self.model, self.endpoint, choices)
+        if self.continuous_usage:  # vLLM's continuous_usage_stats: counts so far in every chunk
+            payload["usage"] = usage(self.job, self.completion_tokens)
+        return _data(payload)
+
+    def _error(self, status_code: int, message: str) -> str:
+        self.ok = False
+        return _data({"error": error_object(status_code, message, None)})
+
+    async def lines(self) -> AsyncIterator[str]:
+        """Opening chunks (chat role, echoed prompt), one chunk per token delta, then the closing chunk."""
+        indexes = [choice_index(self.job, self.prompt_index, i) for i in range(self.job.params["n"])]
+        if self.endpoint == CHAT_COMPLETIONS:
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                               for i in indexes])
+        if prompt := echoed_prompt(self.job):
+            yield self._chunk([delta_choice(self.endpoint, i, prompt) for i in indexes])
+        async with aclosing(follow_job(self.job.id)) as events:
             async for event in events:
-                if await request.is_disconnected():
-                    return
                 if event is None:
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TokenEvent):
+                    self.completion_tokens += len(event.delta["token_ids"])
                     if not event.delta["text"]:  # a token that ends mid-character adds no text yet
                         continue
-                    choice = delta_choice(endpoint, event.delta["index"], event.delta["text"])
-                    yield _data(chunk(job, model, endpoint, [choice]))
+                    index = choice_index(self.job, self.prompt_index, event.delta["index"])
+                    yield self._chunk([delta_choice(self.endpoint, index, event.delta["text"])])
                 elif isinstance(event, RestartEvent):
                     # streamed text cannot be taken back: end this stream, the job itself runs on
-                    finished = True
-                    message = f"job {job.id} restarted after a worker failure; fetch its result when it finishes"
-                    yield _data({"error": error_object(503, message, None)})
-                    break
+                    yield self._error(503, f"job {self.job.id} restarted after a worker failure; "
+                                           "fetch its result when it finishes")
+                    return
                 else:
-                    finished = True
-                    for closing in _closing_chunks(event.job, model, endpoint, include_usage):
-                        yield closing
+                    self.job = event.job
+                    problem = failure(event.job)
+                    if problem is not None:
+                        yield self._error(problem.status_code, problem.message)
+                        return
+                    self.completion_tokens = event.job.completion_tokens or 0
+                    yield self._chunk(final_choices(event.job, self.endpoint, self.prompt_index))
+
+
+async def stream_jobs(
+    request: Request, key: ApiKey, jobs: list[Job], model: str, endpoint: str, options: StreamOptions | None
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, one job after another, ending with `data: [DONE]`.
+
+    A disconnect cancels the jobs not yet finished; `include_usage` adds a closing usage chunk, and with
+    `continuous_usage_stats` every chunk carries usage too (as vLLM, which needs both).
+    """
+    include_usage = options is not None and options.include_usage
+    continuous_usage = include_usage and options is not None and options.continuous_usage_stats
+    relayed: set[str] = set()
+    usages = []
+    try:
+        for prompt_index, job in enumerate(jobs):
+            relay = _JobRelay(job, prompt_index, model, endpoint, continuous_usage)
+            async for line in relay.lines():
+                if await request.is_disconnected():
+                    return
+                yield line
+            relayed.add(job.id)  # final, or restarted and running on: not to be cancelled
+            if not relay.ok:
+                break
+            usages.append(usage(relay.job))
+        else:
+            if include_usage:
+                yield _data({**chunk(jobs[0], model, endpoint, []), "usage": total_usage(usages)})
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:
-            await cancel_unfinished(key, job.id)
+        for job in jobs:
+            if job.id not in relayed:
+                await cancel_unfinished(key, job.id)

@@ -17,11 +17,22 @@ def _finish_reason(choice: dict[str, Any]) -> str:
     return "length" if choice.get("finish_reason") == "length" else "stop"
 
 
-def usage(job: Job) -> dict[str, int]:
-    """Token counts of a finished job."""
-    prompt_tokens, completion_tokens = job.prompt_tokens or 0, job.completion_tokens or 0
+def usage(job: Job, completion_tokens: int | None = None) -> dict[str, int]:
+    """Token counts of a finished job, or of a running one that has generated `completion_tokens` so far."""
+    prompt_tokens = job.prompt_tokens or 0
+    completion_tokens = job.completion_tokens or 0 if completion_tokens is None else completion_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
+    """The token counts of several jobs added up."""
+    return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def echoed_prompt(job: Job) -> str:
+    """The prompt text a completion with `echo: true` starts with ('' without echo)."""
+    return job.prompt if (job.metadata_ or {}).get("openai_echo") else ""
 
 
 def _token_text(token_id: int) -> str:
@@ -64,7 +75,7 @@ def completion_body(job: Job, model: str) -> dict[str, Any]:
     """The text_completion object of a succeeded job."""
     num_top = job.params.get("logprobs")
     choices = [{
-        "index": c["index"], "text": c["text"], "finish_reason": _finish_reason(c),
+        "index": c["index"], "text": echoed_prompt(job) + c["text"], "finish_reason": _finish_reason(c),
         "logprobs": _completion_logprobs(c, num_top) if num_top is not None and c.get("logprobs") else None,
     } for c in job.output or []]
     return {"id": job.id, "object": "text_completion", "created": _created(job), "model": model,
@@ -88,6 +99,19 @@ def response_body(job: Job, model: str, endpoint: str) -> dict[str, Any]:
     return chat_body(job, model) if endpoint == CHAT_COMPLETIONS else completion_body(job, model)
 
 
+def merged_body(jobs: list[Job], model: str, endpoint: str) -> dict[str, Any]:
+    """One response for the jobs of a multi-prompt request: prompt i's choices are numbered i * n + j, as OpenAI."""
+    bodies = [response_body(job, model, endpoint) for job in jobs]
+    choices = [{**c, "index": choice_index(job, i, c["index"])}
+               for i, (job, body) in enumerate(zip(jobs, bodies, strict=True)) for c in body["choices"]]
+    return {**bodies[0], "choices": choices, "usage": total_usage([b["usage"] for b in bodies])}
+
+
+def choice_index(job: Job, prompt_index: int, index: int) -> int:
+    """The response-wide index of a job's choice `index` when the job answers prompt `prompt_index`."""
+    return prompt_index * job.params["n"] + index
+
+
 def chunk(job: Job, model: str, endpoint: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     """One stream chunk; each choice has index plus text (completions) or delta (chat), and finish_reason."""
     obj = "chat.completion.chunk" if endpoint == CHAT_COMPLETIONS else "text_completion"
@@ -102,6 +126,7 @@ def delta_choice(endpoint: str, index: int, text: str, finish_reason: str | None
     return {"index": index, "text": text, "finish_reason": finish_reason}
 
 
-def final_choices(job: Job, endpoint: str) -> list[dict[str, Any]]:
+def final_choices(job: Job, endpoint: str, prompt_index: int = 0) -> list[dict[str, Any]]:
     """The closing choice of each completion: no new text, its finish reason."""
-    return [delta_choice(endpoint, c["index"], "", _finish_reason(c)) for c in job.output or []]
+    return [delta_choice(endpoint, choice_index(job, prompt_index, c["index"]), "", _finish_reason(c))
+            for c in job.output or []]

@@ -4,28 +4,59 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from api.errors import ApiError
 from api.prompts import prompt_model
 from api.schemas import JobCreate, MetadataValue
+from api.settings import get_settings
 
-_OPENAI = ConfigDict(extra="forbid", allow_inf_nan=False)
+# Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
+_OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+MAX_PROMPTS = 64
+
+
+def served_model_names() -> list[str]:
+    """The model names this server answers to: --served-model-name, else the configured model."""
+    settings = get_settings()
+    return settings.served_model_name or [settings.model]
 
 
 def served_model_id() -> str:
-    """The one model id this server answers to (the configured model name or path)."""
-    return prompt_model().name
+    """The name responses carry: the first served name."""
+    return served_model_names()[0]
+
+
+def check_served_model(model: str) -> None:
+    """OpenAI's 404 model_not_found unless `model` is one of the served names."""
+    if model not in served_model_names():
+        served = ", ".join(f"'{name}'" for name in served_model_names())
+        raise ApiError(404, f"model '{model}' does not exist; this server serves {served}", "model")
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields a request carried that no schema here declares, nested ones included."""
+    names = [prefix + name for name in model.model_extra or {}]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            names += ignored_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    names += ignored_fields(item, f"{prefix}{name}.{i}.")
+    return names
 
 
 class StreamOptions(BaseModel):
-    """Options of a streamed response."""
+    """Options of a streamed response; continuous_usage_stats (vLLM's) needs include_usage, as in vLLM."""
 
     model_config = _OPENAI
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class OpenAIRequest(BaseModel):
@@ -52,9 +83,7 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, **prompt: Any) -> JobCreate:
-        if self.model != served_model_id():
-            raise ApiError(404, f"model '{self.model}' does not exist; this server serves '{served_model_id()}'",
-                           "model")
+        check_served_model(self.model)
         if self.stream and logprobs is not None:
             raise ApiError(400, "logprobs are not supported with stream: true; request them without streaming",
                            "logprobs")
@@ -63,29 +92,86 @@ class OpenAIRequest(BaseModel):
             "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
         })
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user}
+        metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user, **self._metadata()}
         return JobCreate(**sampling, **prompt, stop=stop, max_tokens=max_tokens, logprobs=logprobs,
                          metadata=metadata)
 
+    def _metadata(self) -> dict[str, MetadataValue]:
+        """Endpoint-specific job metadata the response builder reads back."""
+        return {}
+
 
 class CompletionRequest(OpenAIRequest):
-    """Body of POST /v1/completions (one prompt per request; the Batch API takes many)."""
+    """Body of POST /v1/completions: a prompt as text or token ids, or a list of them (a choice set per prompt)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError(f"give one prompt per request (got {len(value)}); use the Batch API for many")
+    def _prompt_count(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        if isinstance(value, list) and not isinstance(value[0], int) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}; use the Batch API")
         return value
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"best_of other than n is not supported (got best_of={value}, n={n}); "
+                             "ask for n completions and pick the best yourself")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (text insertion) is not supported; send the text before the gap as prompt")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: text or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # one prompt: text, or one list of token ids
+        return list(self.prompt)
+
+    def to_jobs(self) -> list[JobCreate]:
+        """One job per prompt; token-id prompts are checked against the vocabulary and decoded to text."""
+        prompts = self.prompts()
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (prompt tokens have no logprobs here)", "echo")
+        return [self._job(COMPLETIONS, self.max_tokens, self.logprobs,
+                          prompt=_prompt_text(p, "prompt" if len(prompts) == 1 else f"prompt.{i}"))
+                for i, p in enumerate(prompts)]
+
     def to_job(self) -> JobCreate:
-        """The job that answers this request."""
-        prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
-        return self._job(COMPLETIONS, self.max_tokens, self.logprobs, prompt=prompt)
+        """The job of a one-prompt request (a Batch API line)."""
+        jobs = self.to_jobs()
+        if len(jobs) != 1:
+            raise ApiError(400, f"give one prompt per batch line, got {len(jobs)}", "prompt")
+        return jobs[0]
+
+    def _metadata(self) -> dict[str, MetadataValue]:
+        return {"openai_echo": True} if self.echo else {}
+
+
+def _prompt_text(prompt: str | list[int], field: str) -> str:
+    """A prompt as text; token ids are decoded (the engine tokenizes the text again)."""
+    if isinstance(prompt, str):
+        return prompt
+    model = prompt_model()
+    try:
+        model.check_token_ids(prompt, field)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), field) from exc
+    return model.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 class TextPart(BaseModel):

@@ -34,14 +34,15 @@ class PromptModel:
     chat_template: str | None
     special_tokens: dict[str, str]
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for chat messages, through the model's own chat template."""
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
             template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens)
         except TemplateError as exc:
             raise ValueError(f"messages: the model's chat template failed: {exc}") from exc
 
@@ -89,22 +90,46 @@ def model_folder(model: str) -> Path:
     return Path(resolve_model(model))
 
 
+def _context_length(config: dict[str, Any], max_model_len: int | None) -> int:
+    model_len = int(config.get("max_position_embeddings", 2048))
+    if max_model_len is not None and max_model_len > model_len:
+        raise ValueError(f"max_model_len (--max-model-len) must not exceed the model's context of {model_len} "
+                         f"tokens, got {max_model_len}")
+    return max_model_len or model_len
+
+
+def _given_chat_template(value: str) -> str:
+    """The template of --chat-template: a file's text, or the value itself (as vLLM), checked to compile."""
+    path = Path(value).expanduser()
+    template = path.read_text() if path.is_file() else value
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateError as exc:
+        raise ValueError(f"chat_template (--chat-template) is neither a file nor a valid Jinja template: {exc}") from exc
+    return template
+
+
 @lru_cache(maxsize=4)
-def load_prompt_model(model: str) -> PromptModel:
-    """Load tokenizer and limits of a model once per process."""
+def load_prompt_model(
+    model: str, tokenizer_dir: Path | None = None, chat_template: str | None = None, max_model_len: int | None = None
+) -> PromptModel:
+    """Load tokenizer and limits of a model once per process; the optional arguments override the model's own."""
     folder = model_folder(model)
+    tok_folder = tokenizer_dir.expanduser() if tokenizer_dir is not None else folder
     config = json.loads((folder / "config.json").read_text())
-    tok_config_path = folder / "tokenizer_config.json"
+    tok_config_path = tok_folder / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
     template = tok_config.get("chat_template")
-    template_file = folder / "chat_template.jinja"
+    template_file = tok_folder / "chat_template.jinja"
     if template is None and template_file.exists():
         template = template_file.read_text()
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    if chat_template is not None:
+        template = _given_chat_template(chat_template)
+    tokenizer = Tokenizer.from_file(str(tok_folder / "tokenizer.json"))
     return PromptModel(
         name=model,
         tokenizer=tokenizer,
-        max_model_len=int(config.get("max_position_embeddings", 2048)),
+        max_model_len=_context_length(config, max_model_len),
         # the engine's embedding table has config's vocab_size rows (often padded past the tokenizer's)
         vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
         chat_template=template if isinstance(template, str) else None,
@@ -114,4 +139,5 @@ def load_prompt_model(model: str) -> PromptModel:
 
 def prompt_model() -> PromptModel:
     """The configured model's prompt handling."""
-    return load_prompt_model(get_settings().model)
+    settings = get_settings()
+    return load_prompt_model(settings.model, settings.tokenizer, settings.chat_template, settings.max_model_len)

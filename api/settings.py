@@ -5,9 +5,9 @@ from __future__ import annotations
 import secrets
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ByteSize, Field, field_serializer, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -29,7 +29,8 @@ class Settings(BaseSettings):
     model: str = Field("smollm2-135m-instruct", description="model name or local HF folder")
     dtype: str = Field("auto", description="weights dtype: auto, float32, bfloat16")
     kv_cache_memory: str | None = Field(None, description="KV cache budget on the device (default: engine's choice)")
-    swap_space: str = Field("4GiB", description="CPU swap pool for preempted KV blocks")
+    swap_space: ByteSize = Field(ByteSize(4 << 30), description="CPU swap pool for preempted KV blocks: GiB when a "
+                                 "bare number (as vLLM), or with a unit such as 512MiB")
     max_num_seqs: int = Field(64, ge=1, le=1024, description="engine batch limit and worker concurrency")
     block_size: int = Field(16, ge=1, description="KV block size in tokens")
     preemption_mode: Literal["swap", "recompute"] = Field("swap", description="how the engine preempts")
@@ -37,6 +38,17 @@ class Settings(BaseSettings):
     num_threads: int | None = Field(None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
     cpu_weight_packing: Literal["auto", "all", "off"] = Field(
         "auto", description="oneDNN-prepacked weights on the CPU: auto = bf16 only (bit-identical), all = also fp32")
+    max_model_len: int | None = Field(None, ge=1, description="context length (default: the model's own)")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="fraction of the GPU's total memory for weights, activations and KV cache "
+        "(as vLLM; unused when kv_cache_memory is set)")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens one engine step may compute")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    seed: int = Field(0, ge=0, description="seed of the engine's sampler")
+    tokenizer: Path | None = Field(None, description="local tokenizer folder (default: the model's)")
+    chat_template: str | None = Field(None, description="chat template file or Jinja text (default: the model's)")
+    served_model_name: list[str] | None = Field(
+        None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
     webhook_secret: str | None = Field(None, description="HMAC key for webhook signatures")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")
@@ -51,6 +63,25 @@ class Settings(BaseSettings):
     reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
     rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
     max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
+
+    @field_validator("swap_space", mode="before")
+    @classmethod
+    def _bare_number_is_gib(cls, value: Any) -> Any:
+        # vLLM's --swap-space 4 means 4 GiB; a number with a unit (512MiB, 4294967296B) is taken as written
+        if isinstance(value, int | float) or (isinstance(value, str) and _is_number(value)):
+            return int(float(value) * (1 << 30))
+        return value
+
+    @field_serializer("swap_space", when_used="json")
+    def _swap_space_with_unit(self, value: ByteSize) -> str:
+        return f"{int(value)}B"  # a bare number would read back as GiB
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_is_local(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value.expanduser() / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer must be a local folder with a tokenizer.json, got {str(value)!r}")
+        return value
 
     @field_validator("data_dir", "cache_dir", mode="after")
     @classmethod
@@ -77,6 +108,14 @@ class Settings(BaseSettings):
             path.touch(mode=0o600)
             path.write_text(secrets.token_hex(32))
         return path.read_text().strip()
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 _override: Settings | None = None

@@ -16,10 +16,19 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 def default_kv_cache_bytes(device: torch.device, utilization: float) -> int:
-    """The KV budget when none is given: a share of the device's free memory."""
+    """The KV budget when none is given: on CUDA, as vLLM, `utilization` of the device's TOTAL memory less what
+    this process already holds (the weights); on the CPU a tenth of the available memory."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * utilization)
+        free, total = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device)
+        budget = int(total * utilization) - held
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization {utilization} of {total} bytes leaves nothing for the KV cache "
+                             f"after the {held} bytes this process holds; raise it")
+        if budget > free:
+            raise ValueError(f"gpu_memory_utilization {utilization} asks for {budget} bytes of KV cache but only {free} "
+                             "are free (other processes hold the rest); lower it")
+        return budget
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(available * 0.1)
 

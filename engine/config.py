@@ -66,6 +66,7 @@ class EngineConfig:
     """Everything the engine needs to size its cache and batch its work."""
 
     model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None  # a local tokenizer folder; None: the model's own
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     block_size: int = 16

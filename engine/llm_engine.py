@@ -47,7 +47,7 @@ class LLMEngine:
         self.ops = select_backend(self.device, config.attention_backend)
         folder = resolve_model(config.model)
         self.model_name = config.model
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or folder)
         self.model = load_model(folder, self.dtype, self.device, self.ops, config.cpu_weight_packing)
         model_config = self.model.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,

@@ -29,6 +29,12 @@ def engine_kwargs(settings: Settings) -> dict[str, Any]:
         "preemption_mode": settings.preemption_mode,
         "scheduling_policy": "priority",
         "cpu_weight_packing": settings.cpu_weight_packing,
+        "max_model_len": settings.max_model_len,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "seed": settings.seed,
+        "tokenizer": str(settings.tokenizer) if settings.tokenizer else None,
     }
     if settings.kv_cache_memory:
         kwargs["kv_cache_memory"] = settings.kv_cache_memory

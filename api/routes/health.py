@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
@@ -20,6 +20,12 @@ logger = logging.getLogger("pagedserve.api")
 def healthz() -> dict[str, str]:
     """The process is up."""
     return {"status": "ok"}
+
+
+@router.get("/health")
+def health() -> Response:
+    """vLLM's liveness probe: 200 with an empty body while the process is up."""
+    return Response(status_code=200)
 
 
 def _check(name: str, probe: Callable[[], object]) -> str:

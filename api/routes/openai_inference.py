@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -9,53 +10,68 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentKey, DbSession
-from api.jobs import create_job
-from api.models import utcnow
+from api.jobs import create_job, create_jobs
+from api.models import Job, utcnow
 from api.openai_errors import OpenAIRoute
-from api.openai_relay import failure, stream_job, wait_for_job
-from api.openai_responses import response_body
-from api.openai_schemas import CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionRequest, CompletionRequest, served_model_id
+from api.openai_relay import failure, stream_jobs, wait_for_jobs
+from api.openai_responses import merged_body
+from api.openai_schemas import (
+    CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionRequest, CompletionRequest, ignored_fields, served_model_id,
+    served_model_names,
+)
+from api.prompts import prompt_model
+from api.schemas import JobCreate
 from api.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+logger = logging.getLogger("pagedserve.api")
 STARTED_AT = int(utcnow().timestamp())
 
 
 @router.get("/models")
 def list_models(key: CurrentKey) -> dict[str, Any]:
-    """The model this server serves, as OpenAI's model list."""
-    model = {"id": served_model_id(), "object": "model", "created": STARTED_AT, "owned_by": "pagedserve"}
-    return {"object": "list", "data": [model]}
+    """Each served model name, as OpenAI's model list with vLLM's max_model_len and root."""
+    model = prompt_model()
+    cards = [{"id": name, "object": "model", "created": STARTED_AT, "owned_by": "pagedserve", "root": model.name,
+              "parent": None, "max_model_len": model.max_model_len} for name in served_model_names()]
+    return {"object": "list", "data": cards}
+
+
+def _create(session: DbSession, key: CurrentKey, bodies: list[JobCreate]) -> list[Job]:
+    # one prompt keeps its field names ("prompt"); several are accepted together or not at all
+    return [create_job(session, key, bodies[0], None)[0]] if len(bodies) == 1 else create_jobs(session, key, bodies)
 
 
 async def _answer(
     request: Request, key: CurrentKey, session: DbSession, body: CompletionRequest | ChatCompletionRequest,
     endpoint: str,
 ) -> Response:
-    job, _ = await run_in_threadpool(create_job, session, key, body.to_job(), None)
+    if ignored := ignored_fields(body):  # vLLM's behaviour: accept, and say once what was not used
+        logger.warning("openai.ignored_fields endpoint=%s fields=%s", endpoint, ",".join(ignored))
+    bodies = body.to_jobs() if isinstance(body, CompletionRequest) else [body.to_job()]
+    jobs = await run_in_threadpool(_create, session, key, bodies)
     # Waiting or streaming can last minutes: release the pooled connection (the relay reads in short sessions).
     await run_in_threadpool(session.close)
     model = served_model_id()
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            stream_job(request, key, job, model, endpoint, include_usage),
+            stream_jobs(request, key, jobs, model, endpoint, body.stream_options),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    final = await wait_for_job(request, key, job.id, get_settings().openai_timeout_s)
-    if final is None:  # the client went away; nobody reads this
+    finals = await wait_for_jobs(request, key, [job.id for job in jobs], get_settings().openai_timeout_s)
+    if finals is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    problem = failure(final)
-    if problem is not None:
-        raise problem
-    return JSONResponse(response_body(final, model, endpoint))
+    for final in finals:
+        if (problem := failure(final)) is not None:
+            raise problem
+    return JSONResponse(merged_body(finals, model, endpoint))
 
 
 @router.post("/completions", response_model=None)
 async def create_completion(
     body: CompletionRequest, request: Request, key: CurrentKey, session: DbSession
 ) -> Response:
-    """Complete a prompt (OpenAI's legacy completions); `stream: true` answers with server-sent chunks."""
+    """Complete one prompt or several (text or token ids; OpenAI's legacy completions); `stream: true` streams."""
     return await _answer(request, key, session, body, COMPLETIONS)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -137,3 +139,81 @@ def test_a_client_that_disconnects_gets_its_job_cancelled(
             return bool(jobs) and jobs[0]["status"] == "cancelled"
 
         wait_until(cancelled, 30, "the abandoned job to be cancelled")
+
+
+def _sse_chunks(live_api: str, auth_headers: dict[str, str], body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{live_api}/v1/completions", json={**body, "stream": True}, headers=auth_headers,
+                      timeout=60) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_unknown_and_vllm_fields_are_ignored_with_one_warning(
+    openai_client: openai.OpenAI, model: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    completion = openai_client.completions.create(
+        model=model, prompt="Hi", max_tokens=2,
+        extra_body={"use_beam_search": False, "skip_special_tokens": True, "made_up_field_7f3a": 1},
+    )
+    assert completion.choices[0].finish_reason in {"stop", "length"}
+    logs = [p.read_text() for p in tmp_path_factory.getbasetemp().glob("logs[0-9]*/api.log")]
+    (warning,) = [line for log in logs for line in log.splitlines() if "made_up_field_7f3a" in line]
+    assert "openai.ignored_fields" in warning and "use_beam_search" in warning and "WARNING" in warning
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(
+    live_api: str, auth_headers: dict[str, str], model: str
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": model, "prompt": "Once", "max_tokens": 6, "ignore_eos": True, "stream_options": options}
+    chunks = _sse_chunks(live_api, auth_headers, body)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1]["choices"] == []
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in chunks)
+
+
+def test_without_include_usage_no_chunk_has_usage(live_api: str, auth_headers: dict[str, str], model: str) -> None:
+    body = {"model": model, "prompt": "Once", "max_tokens": 3, "stream_options": {"continuous_usage_stats": True}}
+    assert not any("usage" in c for c in _sse_chunks(live_api, auth_headers, body))
+
+
+def test_a_list_of_prompts_gets_a_choice_set_per_prompt(openai_client: openai.OpenAI, model: str) -> None:
+    prompts = ["The quick brown fox", "Once upon a time"]
+    both = openai_client.completions.create(model=model, prompt=prompts, n=2, max_tokens=4, temperature=0.0)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    alone = [openai_client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0.0) for p in prompts]
+    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
+def test_a_list_of_prompts_streams_every_choice(live_api: str, auth_headers: dict[str, str], model: str) -> None:
+    body = {"model": model, "prompt": ["Hi", "Hello"], "n": 2, "max_tokens": 3, "ignore_eos": True}
+    chunks = _sse_chunks(live_api, auth_headers, body)
+    choices = [choice for c in chunks for choice in c["choices"]]
+    assert sorted(c["index"] for c in choices if c["finish_reason"]) == [0, 1, 2, 3]
+    assert {c["index"] for c in choices if c["text"]} == {0, 1, 2, 3}
+
+
+def test_token_id_prompts_complete_like_their_text(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    text = "The quick brown fox"
+    ids = httpx.post(f"{live_api}/tokenize", json={"prompt": text}, headers=auth_headers).json()["tokens"]
+    by_text = openai_client.completions.create(model=model, prompt=text, max_tokens=4, temperature=0.0)
+    by_ids = openai_client.completions.create(model=model, prompt=[ids, ids], max_tokens=4, temperature=0.0)
+    assert [c.text for c in by_ids.choices] == [by_text.choices[0].text] * 2
+    assert by_ids.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_echo_starts_the_text_with_the_prompt(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    plain = openai_client.completions.create(model=model, prompt="Echo this", max_tokens=3, temperature=0.0)
+    echoed = openai_client.completions.create(model=model, prompt="Echo this", max_tokens=3, temperature=0.0,
+                                              echo=True)
+    assert echoed.choices[0].text == "Echo this" + plain.choices[0].text
+    chunks = _sse_chunks(live_api, auth_headers, {"model": model, "prompt": "Echo this", "max_tokens": 3,
+                                                  "temperature": 0.0, "echo": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == echoed.choices[0].text

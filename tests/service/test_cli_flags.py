@@ -1,0 +1,146 @@
+"""`pagedserve` flags: vLLM's names and meanings, each command's own flags in --help, startup checks naming the flag."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from api import cli
+from api.cli_flags import API_ONLY, WORKER_ONLY
+from api.settings import Settings, configure
+from worker.service import engine_kwargs
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings() -> Iterator[None]:
+    yield
+    configure(None)
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """stderr of a command that must refuse to start."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(argv))
+    message = str(exited.value.code) if isinstance(exited.value.code, str) else capsys.readouterr().err
+    assert exited.value.code != 0, message
+    return message
+
+
+def _settings(*argv: str) -> Settings:
+    return cli.settings_from(cli._parser().parse_args(list(argv)))
+
+
+def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.strip() == f"pagedserve {version('pagedserve')}"
+
+
+def test_each_command_shows_only_its_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    api, worker, up = (_help(capsys, command) for command in ("api", "worker", "up"))
+    assert "--served-model-name" in api and "--chat-template" in api and "--swap-space" not in api
+    assert "--swap-space" in worker and "--seed" in worker and "--served-model-name" not in worker
+    assert all(flag in up for flag in ("--served-model-name", "--swap-space", "--max-model-len", "--tokenizer"))
+    submit, migrate = _help(capsys, "submit"), _help(capsys, "migrate")
+    assert "--port" in submit and "--model" not in submit and "--redis-url" not in submit
+    assert "--database-url" in migrate and "--model" not in migrate
+
+
+def test_help_shows_types_choices_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    text = " ".join(_help(capsys, "worker").split())
+    assert "--preemption-mode {swap,recompute}" in text and "--max-model-len INT" in text
+    assert "--gpu-memory-utilization FLOAT" in text and "(default: 0.9)" in text
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in text and "(default: 4.0GiB)" in text
+
+
+def test_every_setting_belongs_to_a_server_command() -> None:
+    assert not API_ONLY & WORKER_ONLY
+    assert (API_ONLY | WORKER_ONLY) <= set(Settings.model_fields)
+
+
+@pytest.mark.parametrize(("given", "expected_bytes"), [("4", 4 << 30), ("0.5", 1 << 29), ("512MiB", 512 << 20)])
+def test_swap_space_is_gib_when_a_bare_number(given: str, expected_bytes: int) -> None:
+    assert _settings("worker", "--swap-space", given).swap_space == expected_bytes
+
+
+def test_swap_space_from_the_environment_is_gib_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_SWAP_SPACE", "2")
+    assert Settings().swap_space == 2 << 30
+
+
+def test_settings_reach_a_child_process_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = _settings("up", "--swap-space", "3", "--served-model-name", "a", "b", "--no-enable-prefix-caching")
+    for name, value in cli.settings_env(settings).items():
+        if name.startswith("PAGEDSERVE_"):
+            monkeypatch.setenv(name, value)
+    assert Settings() == settings
+
+
+def test_vllm_engine_flags_reach_the_engine(tiny_model_dir: Path) -> None:
+    from engine.config import EngineConfig
+
+    settings = _settings("worker", "--model", str(tiny_model_dir), "--max-model-len", "64", "--seed", "7",
+                         "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "512",
+                         "--no-enable-prefix-caching", "--tokenizer", str(tiny_model_dir), "--swap-space", "1")
+    config = EngineConfig(**engine_kwargs(settings))
+    assert (config.max_model_len, config.seed, config.gpu_memory_utilization) == (64, 7, 0.5)
+    assert (config.max_num_batched_tokens, config.enable_prefix_caching) == (512, False)
+    assert (config.tokenizer, config.swap_space) == (str(tiny_model_dir), 1 << 30)
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["worker", "--swap-space", "4 parsecs"], "--swap-space"),
+    (["worker", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["worker", "--max-model-len", "0"], "--max-model-len"),
+    (["worker", "--max-model-len", "many"], "--max-model-len"),
+    (["worker", "--preemption-mode", "pause"], "--preemption-mode"),
+    (["api", "--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
+    (["api", "--served-model-name"], "--served-model-name"),
+])
+def test_a_bad_flag_value_fails_at_startup_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
+) -> None:
+    assert flag in _refused(capsys, *argv)
+
+
+def test_a_context_longer_than_the_models_fails_at_startup(
+    capsys: pytest.CaptureFixture[str], api_model_dir: Path
+) -> None:
+    message = _refused(capsys, "api", "--model", str(api_model_dir), "--max-model-len", "4096")
+    assert "--max-model-len" in message and "128" in message
+
+
+def test_a_broken_chat_template_fails_at_startup(capsys: pytest.CaptureFixture[str], api_model_dir: Path) -> None:
+    message = _refused(capsys, "api", "--model", str(api_model_dir), "--chat-template", "{% for m in %}")
+    assert "--chat-template" in message
+
+
+def test_a_chat_template_file_replaces_the_models(tmp_path: Path, api_model_dir: Path) -> None:
+    from api.prompts import prompt_model
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    _settings("api", "--model", str(api_model_dir), "--chat-template", str(template))
+    assert prompt_model().render_chat([{"role": "user", "content": "the fox"}]) == "the fox"
+
+
+def test_an_engine_limit_fails_the_worker_at_startup(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path) -> None:
+    message = _refused(capsys, "worker", "--model", str(tiny_model_dir), "--max-num-seqs", "16",
+                       "--max-num-batched-tokens", "8")
+    assert "max_num_batched_tokens" in message
+
+
+def test_served_model_names_travel_as_json(tiny_model_dir: Path) -> None:
+    env = cli.settings_env(_settings("up", "--served-model-name", "a", "b c"))
+    assert json.loads(env["PAGEDSERVE_SERVED_MODEL_NAME"]) == ["a", "b c"]
