@@ -1,4 +1,4 @@
-"""API keys: creation, hashing and the bearer-token dependency that resolves the caller's key."""
+"""API keys: creation, rotation, revocation, hashing and the bearer-token dependency that resolves the caller's key."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.db import get_session
-from api.models import ApiKey
+from api.models import ApiKey, utcnow
 from api.ratelimit import check_request_rate
 
 TOKEN_PREFIX = "psk"
-_bearer = HTTPBearer(auto_error=False, description="API key created by `pagedserve create-key`")
+WEBHOOK_SECRET_PREFIX = "whsec"
+_bearer = HTTPBearer(auto_error=False, description="API key created by `pagedserve keys create`")
 
 
 def hash_key(token: str) -> str:
@@ -25,14 +26,43 @@ def hash_key(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def new_webhook_secret() -> str:
+    """A random webhook signing secret; receivers use the whole string, prefix included, as the HMAC key."""
+    return f"{WEBHOOK_SECRET_PREFIX}_{secrets.token_urlsafe(32)}"
+
+
+def _set_new_token(key: ApiKey) -> str:
+    key.lookup = secrets.token_hex(6)
+    token = f"{TOKEN_PREFIX}_{key.lookup}_{secrets.token_urlsafe(32)}"
+    key.key_hash = hash_key(token)
+    return token
+
+
 def create_api_key(session: Session, name: str) -> tuple[ApiKey, str]:
-    """Store a new key and return it with its plaintext token, which is shown only once."""
-    lookup = secrets.token_hex(6)
-    token = f"{TOKEN_PREFIX}_{lookup}_{secrets.token_urlsafe(32)}"
-    key = ApiKey(name=name, lookup=lookup, key_hash=hash_key(token))
+    """Store a new key and return it with its plaintext token; both are shown only once, like its webhook_secret."""
+    key = ApiKey(name=name, webhook_secret=new_webhook_secret())
+    token = _set_new_token(key)
     session.add(key)
     session.commit()
     return key, token
+
+
+def rotate_api_key(session: Session, key: ApiKey, token: bool) -> str | None:
+    """Give a live key a new webhook secret and, when token is true, a new bearer token (returned; the old one stops)."""
+    if key.revoked_at is not None:
+        raise ValueError(f"API key {key.id} was revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC; create a new one")
+    key.webhook_secret = new_webhook_secret()
+    new_token = _set_new_token(key) if token else None
+    session.commit()
+    return new_token
+
+
+def revoke_api_key(session: Session, key: ApiKey) -> None:
+    """Revoke a key: from now on its token gets 401 (its jobs stay, and their webhooks are still delivered)."""
+    if key.revoked_at is not None:
+        raise ValueError(f"API key {key.id} is already revoked (at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC)")
+    key.revoked_at = utcnow()
+    session.commit()
 
 
 def find_api_key(session: Session, token: str) -> ApiKey | None:

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: up, api, worker, migrate, keys create, submit, submit-file."""
+"""The `pagedserve` command: up, api, worker, migrate, keys create|list|revoke|rotate, submit, submit-file."""
 
 from __future__ import annotations
 
@@ -85,17 +85,6 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> None:
     print(f"job store at revision {args.revision}")
 
 
-def cmd_create_key(settings: Settings, args: argparse.Namespace) -> None:
-    """Create an API key and print it (it is shown only this once)."""
-    from api.auth import create_api_key
-    from api.db import session_factory
-
-    with session_factory()() as session:
-        key, token = create_api_key(session, args.name)
-    print(token)
-    print(f"created API key {key.id} ({args.name})", file=sys.stderr)
-
-
 def dev_api_key(settings: Settings) -> str:
     """The embedded default's development key: kept in the data dir, recreated if the store lost it."""
     from api.auth import create_api_key, find_api_key
@@ -146,6 +135,7 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from api.client import add_client_commands
+    from api.key_commands import add_key_commands
 
     from api.routes.version import pagedserve_version
 
@@ -159,11 +149,7 @@ def _parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=handler.__doc__)
         sub.set_defaults(handler=handler)
     commands.choices["migrate"].add_argument("--revision", default="head")
-    for sub in (commands.add_parser("create-key", help=cmd_create_key.__doc__),
-                commands.add_parser("keys", help="manage API keys").add_subparsers(required=True).add_parser(
-                    "create", help=cmd_create_key.__doc__)):
-        sub.add_argument("--name", default="default", help="what the key is for")
-        sub.set_defaults(handler=cmd_create_key)
+    add_key_commands(commands)
     add_client_commands(commands)
     for sub in _all_subparsers(commands):
         add_settings_flags(sub, command_settings(sub.prog.split()[1]))

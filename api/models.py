@@ -69,7 +69,7 @@ class Base(DeclarativeBase):
 
 
 class ApiKey(Base):
-    """A bearer API key; only its SHA-256 hash is stored. Jobs belong to the key that made them."""
+    """A bearer API key (only its SHA-256 hash is stored) and its webhook signing secret; jobs belong to a key."""
 
     __tablename__ = "api_keys"
 
@@ -77,6 +77,7 @@ class ApiKey(Base):
     name: Mapped[str] = mapped_column(String(200))
     lookup: Mapped[str] = mapped_column(String(16), unique=True)
     key_hash: Mapped[str] = mapped_column(String(64))
+    webhook_secret: Mapped[str] = mapped_column(String(64))  # signs this key's webhooks; the service must read it
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
@@ -132,6 +133,8 @@ class WebhookDelivery(Base):
         Enum(DeliveryStatus, native_enum=False, length=16), default=DeliveryStatus.pending
     )
     num_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # No attempt starts before this: the retry's backoff, or the claim of an attempt in flight (None: due now).
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 

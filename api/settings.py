@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -49,11 +48,10 @@ class Settings(BaseSettings):
     chat_template: str | None = Field(None, description="chat template file or Jinja text (default: the model's)")
     served_model_name: list[str] | None = Field(
         None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
-    webhook_secret: str | None = Field(None, description="HMAC key for webhook signatures")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")
     webhook_backoff_s: float = Field(1.0, gt=0, description="first retry delay; doubles each attempt")
-    webhook_timeout_s: float = Field(10.0, gt=0, description="timeout of one webhook attempt")
+    webhook_timeout_s: float = Field(10.0, gt=0, description="deadline of one whole webhook attempt")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body the API accepts")
     max_file_bytes: int = Field(100 << 20, ge=1024, description="largest file POST /v1/files accepts")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests one OpenAI batch input file may hold")
@@ -98,16 +96,6 @@ class Settings(BaseSettings):
     def resolved_database_url(self) -> str:
         """The job store URL, defaulting to a SQLite file in the data directory."""
         return self.database_url or f"sqlite:///{self.resolved_data_dir() / 'pagedserve.db'}"
-
-    def resolved_webhook_secret(self) -> str:
-        """The webhook HMAC key; generated once into the data directory when not configured."""
-        if self.webhook_secret:
-            return self.webhook_secret
-        path = self.resolved_data_dir() / "webhook-secret"
-        if not path.exists():
-            path.touch(mode=0o600)
-            path.write_text(secrets.token_hex(32))
-        return path.read_text().strip()
 
 
 def _is_number(text: str) -> bool:

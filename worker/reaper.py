@@ -15,7 +15,7 @@ import threading
 import time
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api import queue, streams
@@ -25,7 +25,6 @@ from api.lifecycle import transition
 from api.models import DeliveryStatus, Job, JobStatus, WebhookDelivery, utcnow
 from api.settings import get_settings
 from worker import heartbeat
-from worker.webhooks import backoff_s
 
 logger = logging.getLogger("pagedserve.reaper")
 
@@ -130,15 +129,15 @@ def reenqueue_lost_jobs(session: Session) -> list[str]:
 
 
 def reenqueue_overdue_deliveries(session: Session) -> list[str]:
-    """Re-enqueue pending webhook deliveries whose next attempt is overdue by more than the grace period."""
-    grace = timedelta(seconds=get_settings().reconcile_grace_s)
-    pending = session.scalars(select(WebhookDelivery).where(WebhookDelivery.status == DeliveryStatus.pending))
+    """Re-enqueue pending webhook deliveries whose next attempt (or lapsed claim) is overdue by the grace period."""
+    cutoff = utcnow() - timedelta(seconds=get_settings().reconcile_grace_s)
+    due_at = func.coalesce(WebhookDelivery.next_attempt_at, WebhookDelivery.created_at)
+    overdue = session.execute(select(WebhookDelivery.id, WebhookDelivery.job_id).where(
+        WebhookDelivery.status == DeliveryStatus.pending, due_at < cutoff)).all()
     redelivered = []
-    for delivery in pending:
-        last = delivery.attempts[-1].created_at if delivery.attempts else delivery.created_at
-        delay = timedelta(seconds=backoff_s(delivery.num_attempts)) if delivery.num_attempts else timedelta()
-        if utcnow() > last + delay + grace and _claim_requeue("delivery", delivery.id):
-            log_event(logger, "webhook.reenqueued", delivery_id=delivery.id, job_id=delivery.job_id)
-            queue.enqueue_webhook(delivery.id)
-            redelivered.append(delivery.id)
+    for delivery_id, job_id in overdue:
+        if _claim_requeue("delivery", delivery_id):
+            log_event(logger, "webhook.reenqueued", delivery_id=delivery_id, job_id=job_id)
+            queue.enqueue_webhook(delivery_id)
+            redelivered.append(delivery_id)
     return redelivered

@@ -108,7 +108,6 @@ def service_settings(
         swap_space="32MiB",
         max_num_seqs=32,
         webhook_allow_private=True,
-        webhook_secret="test-secret",
         webhook_backoff_s=0.2,
         max_body_bytes=64 * 1024,
     )

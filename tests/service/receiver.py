@@ -18,9 +18,10 @@ class Received:
 
 @dataclass
 class WebhookReceiver:
-    """Serves on 127.0.0.1 (on `port`, or any free one when 0); answers `statuses` in order, then 200."""
+    """Serves on `host` (on `port`, or any free one when 0); answers `statuses` in order, then 200."""
 
     port: int = 0
+    host: str = "127.0.0.1"
     statuses: list[int] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
@@ -29,7 +30,7 @@ class WebhookReceiver:
     def url(self) -> str:
         """The receiver's base URL."""
         assert self.server is not None
-        return f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        return f"http://{self.host}:{self.server.server_address[1]}/hook"
 
     def start(self) -> WebhookReceiver:
         """Start serving in a daemon thread."""
@@ -47,7 +48,7 @@ class WebhookReceiver:
             def log_message(self, *args: object) -> None:
                 return
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = ThreadingHTTPServer((self.host, self.port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 

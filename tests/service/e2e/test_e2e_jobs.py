@@ -12,9 +12,9 @@ from tests.service.e2e.support import offline_greedy, wait_final
 from tests.service.procs import wait_until
 from tests.service.receiver import WebhookReceiver
 
+from api.auth import find_api_key
 from api.db import session_factory
 from api.models import Job
-from api.settings import Settings
 from worker import heartbeat, webhooks
 
 PROMPTS = [f"Job {i}: write about the number {i * 7}" for i in range(32)]
@@ -57,7 +57,7 @@ def test_events_stream_yields_the_tokens_of_the_final_output(live_api: str, auth
 
 
 def test_webhook_is_signed_and_retried_after_a_500(
-    live_api: str, auth_headers: dict[str, str], service_settings: Settings, webhook_receiver: WebhookReceiver
+    live_api: str, auth_headers: dict[str, str], webhook_receiver: WebhookReceiver
 ) -> None:
     webhook_receiver.statuses = [500]
     with httpx.Client(base_url=live_api, headers=auth_headers, timeout=60) as client:
@@ -72,9 +72,12 @@ def test_webhook_is_signed_and_retried_after_a_500(
         (delivery,) = client.get(f"/v1/jobs/{job_id}/webhooks").json()
     assert [a["status_code"] for a in delivery["attempts"]] == [500, 200]
     assert len(webhook_receiver.received) == 2
+    with session_factory()() as session:
+        key = find_api_key(session, auth_headers["Authorization"].removeprefix("Bearer "))
+        assert key is not None
     for request in webhook_receiver.received:
         headers = request.headers
-        assert webhooks.verify(service_settings.resolved_webhook_secret(), headers["X-Pagedserve-Timestamp"],
+        assert webhooks.verify(key.webhook_secret, headers["X-Pagedserve-Timestamp"],
                                request.body, headers["X-Pagedserve-Signature"])
         assert json.loads(request.body)["job"]["status"] == "succeeded"
 
