@@ -25,6 +25,7 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="where the API listens")
     port: int = Field(8000, description="API port")
     metrics_port: int = Field(9400, description="a worker's Prometheus port")
+    metrics_host: str = Field("127.0.0.1", description="where a worker serves its Prometheus metrics")
     model: str = Field("smollm2-135m-instruct", description="model name or local HF folder")
     dtype: str = Field("auto", description="weights dtype: auto, float32, bfloat16")
     kv_cache_memory: str | None = Field(None, description="KV cache budget on the device (default: engine's choice)")

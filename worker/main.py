@@ -14,7 +14,7 @@ def run_worker(settings: Settings) -> None:
     """Run a worker until stopped: one engine, max_num_seqs concurrent jobs, one prefetched message per slot."""
     configure(settings)
     engine_service()  # load the model before taking work
-    serve_metrics(settings.metrics_port)
+    serve_metrics(settings.metrics_port, settings.metrics_host)
     Reaper().start()
     import worker.tasks  # noqa: F401  (registers the tasks)
 

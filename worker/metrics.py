@@ -132,8 +132,8 @@ class WorkerMetrics:
             self.time_per_output_token.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> int:
-    """Serve `registry` on /metrics at `port`, or the next free port after it; return the port used."""
+def serve_metrics(port: int, host: str, registry: CollectorRegistry = REGISTRY) -> int:
+    """Serve `registry` on /metrics at `host`:`port`, or the next free port after it; return the port used."""
     for candidate in range(port, port + PORT_ATTEMPTS):
         try:
             start_http_server(candidate, addr=host, registry=registry)

@@ -94,3 +94,21 @@ def test_services_start_after_what_they_need(compose: dict[str, Any]) -> None:
     for name in ("api", "worker", "worker-cpu"):
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_only_the_api_is_published_beyond_this_host(compose: dict[str, Any]) -> None:
+    published = {name: service.get("ports", []) for name, service in compose["services"].items()}
+    assert published["postgres"] == [] and published["redis"] == []
+    assert published["prometheus"] == ["127.0.0.1:9090:9090"] and published["grafana"] == ["127.0.0.1:3000:3000"]
+    for name, ports in published.items():
+        assert name == "api" or all(port.startswith("127.0.0.1:") for port in ports), name
+
+
+def test_passwords_have_no_defaults_and_are_required_from_the_environment() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    for variable in ("POSTGRES_PASSWORD", "GRAFANA_ADMIN_PASSWORD"):
+        uses = re.findall(r"\$\{" + variable + r"(\W[^}]*)?\}", text)
+        assert uses and all(use.startswith(":?") for use in uses), variable
+    services = yaml.safe_load(text)["services"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD:?")
+    assert services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
