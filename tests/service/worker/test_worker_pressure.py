@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.settings import Settings
 from engine import LLMEngine, SamplingParams
+from tests.agreement import Sample, assert_agree_up_to_rounding
 from worker.engine_service import EngineService
 from worker.runner import run_job
 
@@ -43,15 +44,23 @@ def _run_all(settings: Settings, headers: dict[str, str], service: EngineService
     return [client.get(f"/v1/jobs/{job_id}", headers=headers).json() for job_id in job_ids]
 
 
-def test_a_burst_larger_than_kv_and_swap_completes(
-    small_service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+def test_a_burst_larger_than_kv_and_swap_completes_with_the_texts_of_an_unpressured_run(
+    small_service: EngineService, service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
 ) -> None:
-    bodies = [{"prompt": f"Pressure {i}", "max_tokens": 60, "ignore_eos": True} for i in range(12)]
+    bodies = [{"prompt": f"Pressure {i}", "max_tokens": 60, "ignore_eos": True, "temperature": 1.0, "seed": i,
+               "logprobs": 0} for i in range(12)]
     jobs = _run_all(service_settings, auth_headers, small_service, bodies)
     assert [job["status"] for job in jobs] == ["succeeded"] * 12
     assert all(job["completion_tokens"] == 60 for job in jobs)
     stats = small_service.engine.stats()
-    assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    assert stats.num_preemptions_swap > 0 and stats.num_blocks_swapped_in > 0
+    unpressured = _run_all(service_settings, auth_headers, service, bodies)
+    assert_agree_up_to_rounding(_samples(jobs), _samples(unpressured))
+
+
+def _samples(jobs: list[dict]) -> list[Sample]:
+    choices = [job["choices"][0] for job in jobs]
+    return [(c["token_ids"], [step[str(token)] for step, token in zip(c["logprobs"], c["token_ids"])]) for c in choices]
 
 
 def test_a_request_that_can_never_fit_fails_with_a_clear_error(
