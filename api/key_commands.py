@@ -36,7 +36,7 @@ def cmd_list_keys(_settings: Settings, _args: argparse.Namespace) -> None:
         keys = session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)).all()
     for key in keys:
         revoked = f"{key.revoked_at:%Y-%m-%dT%H:%M:%SZ}" if key.revoked_at else "-"
-        print(f"{key.id}\t{TOKEN_PREFIX}_{key.lookup}_…\t{key.created_at:%Y-%m-%dT%H:%M:%SZ}\t{revoked}\t{key.name}")
+        print(f"{key.id}\t{TOKEN_PREFIX}_{key.lookup}_...\t{key.created_at:%Y-%m-%dT%H:%M:%SZ}\t{revoked}\t{key.name}")
 
 
 def cmd_revoke_key(_settings: Settings, args: argparse.Namespace) -> None:

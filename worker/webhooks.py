@@ -64,7 +64,8 @@ async def _read_bounded(response: httpx.Response) -> None:
 
 async def _post_to_target(target: WebhookTarget, body: bytes, headers: dict[str, str]) -> int:
     # The URL's host is swapped for a checked address, so nothing resolves the name again (no DNS
-    # rebinding); Host and TLS SNI (and so certificate checks) still name the original host.
+    # rebinding); Host and TLS SNI (and so certificate checks) still name the original host. No proxy
+    # from the environment either: a proxy would resolve the name itself.
     url = httpx.URL(target.url)
     headers = {**headers, "Host": url.netloc.decode("ascii")}
     refused = httpx.ConnectError(f"no address of {target.host!r} accepted the connection")
@@ -87,7 +88,7 @@ async def _post_to_target(target: WebhookTarget, body: bytes, headers: dict[str,
 
 async def _attempt(url: str, body: bytes, headers: dict[str, str]) -> int:
     settings = get_settings()
-    async with asyncio.timeout(settings.webhook_timeout_s):
+    async with asyncio.timeout(settings.webhook_timeout_s):  # the lookup, connect, send and response together
         target = await asyncio.to_thread(resolve_webhook_url, url, settings.webhook_allow_private)
         return await _post_to_target(target, body, headers)
 

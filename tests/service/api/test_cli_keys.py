@@ -102,7 +102,7 @@ def test_a_revoked_key_gets_401_and_is_listed_as_revoked(pagedserve: Cli, client
     assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
     (line,) = [line for line in pagedserve("keys", "list").stdout.splitlines() if line.startswith(key_id)]
     _, prefix, _, revoked_at, name = line.split("\t")
-    assert name == "to-revoke" and revoked_at != "-" and prefix == f"psk_{headers['Authorization'].split('_')[1]}_…"
+    assert name == "to-revoke" and revoked_at != "-" and prefix == f"psk_{headers['Authorization'].split('_')[1]}_..."
     again = pagedserve("keys", "rotate", key_id)
     assert again.returncode != 0 and f"key_id: API key {key_id} was revoked" in again.stderr
 
