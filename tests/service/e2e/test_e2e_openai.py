@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from tests.engine.hf_reference import hf_logprobs
 from tests.service.procs import wait_until
 
 MAX_TOKENS = 8
@@ -42,14 +44,23 @@ def test_completion_has_text_usage_and_is_a_job(
     assert job["metadata"]["user"] == "alice" and job["params"]["temperature"] == 0.0
 
 
-def test_completion_with_n_and_logprobs(openai_client: openai.OpenAI, model: str) -> None:
-    completion = openai_client.completions.create(model=model, prompt="Count: one two", max_tokens=4, n=2, seed=3,
-                                           logprobs=2, stop=["\n\n"], temperature=1.0)
+def test_completion_with_n_and_logprobs_gives_the_models_logprobs(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str], service_model_dir: Path
+) -> None:
+    prompt = "Count: one two"
+    completion = openai_client.completions.create(model=model, prompt=prompt, max_tokens=4, n=2, seed=3,
+                                                  logprobs=2, temperature=1.0)
     assert [c.index for c in completion.choices] == [0, 1]
-    for choice in completion.choices:
-        assert choice.logprobs is not None and len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
-        assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
-        assert "".join(choice.logprobs.tokens) == choice.text
+    prompt_ids = httpx.post(f"{live_api}/tokenize", json={"prompt": prompt}, headers=auth_headers).json()["tokens"]
+    job = httpx.get(f"{live_api}/v1/jobs/{completion.id}", headers=auth_headers).json()
+    for choice, job_choice in zip(completion.choices, job["choices"]):
+        logprobs, token_ids = choice.logprobs, job_choice["token_ids"]
+        assert logprobs is not None and "".join(logprobs.tokens) == choice.text
+        # the oracle: transformers' log-softmax over the same weights at each generated position
+        reference = hf_logprobs(service_model_dir, prompt_ids, token_ids)
+        assert logprobs.token_logprobs == pytest.approx(reference[range(len(token_ids)), token_ids].tolist(), abs=1e-3)
+        for top, expected in zip(logprobs.top_logprobs, reference.topk(2).values.tolist()):
+            assert sorted(top.values(), reverse=True) == pytest.approx(expected, abs=1e-3)
 
 
 def test_chat_completion_answers_with_an_assistant_message(openai_client: openai.OpenAI, model: str) -> None:
@@ -65,25 +76,36 @@ def test_chat_completion_answers_with_an_assistant_message(openai_client: openai
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_streamed_text_equals_non_streamed_text_for_the_same_seed(
-    openai_client: openai.OpenAI, model: str, endpoint: str
+def test_streamed_text_and_usage_equal_the_non_streamed_ones_for_the_same_seed(
+    openai_client: openai.OpenAI, model: str, endpoint: str, live_api: str, auth_headers: dict[str, str]
 ) -> None:
     params = {"model": model, "max_tokens": 24, "temperature": 0.9, "seed": 1234}
     usage = {"include_usage": True}
     if endpoint == "chat":
         params["messages"] = [{"role": "user", "content": "Tell me a story"}]
-        whole = openai_client.chat.completions.create(**params).choices[0].message.content
-        chunks = list(openai_client.chat.completions.create(**params, stream=True, stream_options=usage))
+        create = openai_client.chat.completions.create
+        non_streamed = create(**params)
+        whole = non_streamed.choices[0].message.content
+        chunks = list(create(**params, stream=True, stream_options=usage))
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in {"stop", "length"}
     else:
         params["prompt"] = "Once upon a time"
-        whole = openai_client.completions.create(**params).choices[0].text
-        chunks = list(openai_client.completions.create(**params, stream=True, stream_options=usage))
+        create = openai_client.completions.create
+        non_streamed = create(**params)
+        whole = non_streamed.choices[0].text
+        chunks = list(create(**params, stream=True, stream_options=usage))
         streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole_usage = non_streamed.usage
     assert len(chunks) > 3 and streamed == whole
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    # usage comes once, last, and counts what was streamed: the job's tokens, as the non-streamed usage does
+    assert chunks[-1].usage is not None and all(c.usage is None for c in chunks[:-1])
+    job = httpx.get(f"{live_api}/v1/jobs/{chunks[0].id}", headers=auth_headers).json()
+    assert chunks[-1].usage.completion_tokens == len(job["choices"][0]["token_ids"]) == whole_usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole_usage.prompt_tokens == job["prompt_tokens"]
+    plain = list(create(**params, stream=True))
+    assert all(c.usage is None for c in plain)
 
 
 def test_stream_ends_with_done(live_api: str, auth_headers: dict[str, str], model: str) -> None:
