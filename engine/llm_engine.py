@@ -13,10 +13,12 @@ from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine, default_kv_cache_bytes, kv_block_bytes
 from engine.config import EngineConfig, resolve_dtype
 from engine.detokenizer import decode_new_text, find_stop_string, start_offsets
+from engine.fault_isolation import FaultIsolator
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request_validation import ModelLimits, validate_request
 from engine.sampler import SamplingRow, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -27,10 +29,6 @@ from kernels import select_backend
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_BUDGET = 2048
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class LLMEngine:
@@ -54,11 +52,16 @@ class LLMEngine:
                                  model_config.max_position_embeddings)
         self.eos_token_ids = self._eos_token_ids(folder, GenerationConfig)
         self._init_cache()
+        self.limits = ModelLimits(
+            vocab_size=model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
+            max_kv_blocks=self.num_gpu_blocks - self.block_manager.watermark_blocks,
+        )
         token_budget = config.max_num_batched_tokens or (
             DEFAULT_TOKEN_BUDGET if config.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, self.max_model_len)
         )
         self.scheduler = Scheduler(config, self.block_manager, max(token_budget, config.max_num_seqs))
         self.runner = ModelRunner(self.model, self.cache, self.block_manager, self.device)
+        self.isolator = FaultIsolator(self.scheduler, self._schedule, self._execute)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.groups: dict[str, SequenceGroup] = {}
         self.prompt_tokens = 0
@@ -85,7 +88,8 @@ class LLMEngine:
             ids.update([value] if isinstance(value, int) else value or [])
         except OSError:
             pass
-        return ids
+        # an id past the logits (a stale config) could never be sampled, and would break suppression
+        return {i for i in ids if 0 <= i < self.model.config.vocab_size}
 
     def _init_cache(self) -> None:
         cfg = self.config
@@ -115,39 +119,23 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise ValueError("prompt must be a string or a list of token ids")
-        vocab = self.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return None, list(prompt)
-
-    def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
-        if num_prompt == 0:
-            raise ValueError("prompt must not be empty")
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens"
-            )
-        block_size = self.config.block_size
-        worst_case = _cdiv(num_prompt, block_size) + max(params.n, params.beam_width) * (_cdiv(params.max_tokens, block_size) + 1)
-        usable = self.num_gpu_blocks - self.block_manager.watermark_blocks
-        if worst_case > usable:
-            raise ValueError(
-                f"request needs up to {worst_case} KV blocks but kv_cache_memory holds {usable}; "
-                "raise kv_cache_memory or lower max_tokens / n"
-            )
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
     ) -> None:
         """Queue a request; raises ``ValueError`` on bad input or a request that can never fit."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
-        self._check_fits(len(token_ids), params)
+        validate_request(token_ids, params, self.limits)
         group = SequenceGroup.create(request_id, text, token_ids, params, priority)
         if group.generator is None:
             group.generator = self.generator
@@ -161,10 +149,7 @@ class LLMEngine:
         if group is None or group.is_finished:
             return
         self.scheduler.remove(group)
-        for seq in group.unfinished_seqs:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
-        group.finished_time = time.monotonic()
+        group.finish("abort", time.monotonic())
         self._aborted.append(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -173,29 +158,34 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, move blocks, run the model once, sample; outputs of requests that changed."""
+        """Schedule, move blocks, run the model once, sample; outputs of requests that changed.
+        A request that makes the step raise fails alone (finish_reason "error"); the others go on."""
+        touched = {group.request_id: group for group in self._aborted}
+        self._aborted = []
+        touched.update((group.request_id, group) for group in self.isolator.step())
+        return [self._output(group) for group in touched.values()]
+
+    def _schedule(self) -> list[ScheduledSeq]:
         out = self.scheduler.schedule()
         # swap-out before swap-in and copies: a block freed by swap-out may be refilled below
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy(out.blocks_to_copy)
-        touched = {group.request_id: group for group in self._aborted}
-        self._aborted = []
-        if out.scheduled:
-            self.num_steps += 1
-            logits, sampled = self.runner.execute(out.scheduled)
-            now = time.monotonic()
-            for item in out.scheduled:
-                seq = item.seq
-                self.prompt_tokens += max(0, min(seq.prompt_len, seq.num_computed_tokens + item.num_new_tokens)
-                                          - seq.num_computed_tokens)
-                seq.num_computed_tokens += item.num_new_tokens
-                self.block_manager.register_computed_blocks(seq)
-                if item.group.first_scheduled_time is None:
-                    item.group.first_scheduled_time = now
-                touched[item.group.request_id] = item.group
-            self._append_samples(logits, sampled)
-        return [self._output(group) for group in touched.values()]
+        return out.scheduled
+
+    def _execute(self, scheduled: list[ScheduledSeq]) -> None:
+        self.num_steps += 1
+        logits, sampled = self.runner.execute(scheduled)
+        now = time.monotonic()
+        for item in scheduled:
+            seq = item.seq
+            self.prompt_tokens += max(0, min(seq.prompt_len, seq.num_computed_tokens + item.num_new_tokens)
+                                      - seq.num_computed_tokens)
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed_blocks(seq)
+            if item.group.first_scheduled_time is None:
+                item.group.first_scheduled_time = now
+        self._append_samples(logits, sampled)
 
     def _sampling_row(self, group: SequenceGroup, seq: Sequence) -> SamplingRow:
         params = group.params
@@ -338,7 +328,8 @@ class LLMEngine:
         if finished:
             self.groups.pop(group.request_id, None)
         metrics = RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time, group.finished_time)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics,
+                             error=group.error)
 
     # ---- observability -------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -39,3 +39,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     new_token_ids: list[list[int]] = field(default_factory=list)
+    error: str | None = None  # set when the engine failed this request (its outputs end with "error")

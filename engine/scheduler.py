@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, BlockMapping
@@ -91,6 +93,29 @@ class Scheduler:
                 queue.remove(group)
         for seq in group.seqs:
             self.block_manager.free(seq, on_cpu=on_cpu)
+
+    def requeue_for_recompute(self, group: SequenceGroup) -> None:
+        """Free every block of a request and queue it to recompute all its tokens."""
+        self.remove(group)
+        for seq in group.unfinished_seqs:
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, group)
+
+    @contextmanager
+    def restricted_to(self, groups: list[SequenceGroup]) -> Iterator[None]:
+        """Inside the block, schedule only ``groups``; the others keep their blocks and places."""
+        members = set(map(id, groups))
+        queues = (self.waiting, self.running, self.swapped)
+        held = [[g for g in queue if id(g) not in members] for queue in queues]
+        for queue in queues:
+            queue[:] = [g for g in queue if id(g) in members]
+        try:
+            yield
+        finally:
+            for queue, others in zip((self.waiting, self.running, self.swapped), held):
+                for group in others:
+                    self._insert(queue, group)
 
     def free_seq(self, seq: Sequence) -> None:
         """Release a finished sequence's blocks."""

@@ -108,6 +108,7 @@ class SequenceGroup:
     beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
     # next-token logits of beams that finished recomputing before their siblings did
     pending_beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
     @classmethod
     def create(
@@ -134,6 +135,13 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         """True when every sequence is finished."""
         return all(seq.is_finished for seq in self.seqs)
+
+    def finish(self, reason: str, now: float) -> None:
+        """End every unfinished sequence with ``reason`` (an abort or an error)."""
+        for seq in self.unfinished_seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+        self.finished_time = now
 
     @property
     def num_seqs_wanted(self) -> int:

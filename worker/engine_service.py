@@ -16,6 +16,13 @@ logger = logging.getLogger("pagedserve.engine_service")
 IDLE_WAIT_S = 0.5
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone: a step raised because of it (the others went on)."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(f"engine step failed for this request: {error}")
+
+
 @dataclass(slots=True)
 class RequestHandle:
     """What a job thread holds for its request: the engine's outputs (or an error) arrive on `outputs`."""
@@ -109,7 +116,9 @@ class EngineService:
         started_s = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # a broken step fails the requests in it, not the worker
+        except Exception as exc:
+            # The engine fails a request that breaks a step on its own (RequestOutput.error); reaching
+            # here means the engine itself is broken (scheduling, block moves): fail what it holds.
             logger.exception("engine.step_failed")
             for request_id, handle in list(self._handles.items()):
                 handle.outputs.put(RuntimeError(f"engine step failed: {exc}"))
@@ -122,9 +131,9 @@ class EngineService:
             handle = self._handles.get(output.request_id)
             if handle is None:
                 continue
-            handle.outputs.put(output)
             if output.finished:
                 del self._handles[output.request_id]
+            handle.outputs.put(RequestFailed(output.error) if output.error is not None else output)
 
     def _report_step(self, duration_s: float, outputs: list[Any]) -> None:
         if self.on_step is None:

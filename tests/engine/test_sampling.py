@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from engine import LLM, SamplingParams
 from tests.engine.hf_reference import hf_greedy, hf_logprobs
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
+VOCAB_SIZE = 49152  # SmolLM2's, which the tiny model shares
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,12 @@ def test_parallel_samples_share_prompt_blocks(tiny_model_dir: Path) -> None:
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
         ({"logprobs": 1000}, "logprobs"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"repetition_penalty": 1e6}, "repetition_penalty"),
+        ({"length_penalty": 1e6}, "length_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"n": True}, "n"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
@@ -166,6 +174,35 @@ def test_bad_prompts_are_refused(llm: LLM) -> None:
         llm.generate(["a", "b"], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
     assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
     assert greedy(llm, max_tokens=3).finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "field"),
+    [
+        ("Hi", {"stop_token_ids": [1_000_000_000], "min_tokens": 1}, "stop_token_ids"),
+        ("Hi", {"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
+        ([1, VOCAB_SIZE], {}, "prompt"),
+        ([-1], {}, "prompt"),
+        ("Hi", {"max_tokens": 10_000}, "max_tokens"),
+        ("Hi", {"n": 64, "max_tokens": 400}, "KV blocks"),
+    ],
+)
+def test_add_request_refuses_what_the_model_cannot_run(llm: LLM, prompt: object, kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.engine.add_request("refused", prompt, SamplingParams(**kwargs))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_engine_limits_use_the_vocabulary_size_of_the_model_config(llm: LLM, tiny_model_dir: Path) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert llm.engine.limits.vocab_size == config["vocab_size"] == VOCAB_SIZE
+    assert llm.engine.limits.max_model_len == llm.engine.max_model_len
+
+
+def test_temperature_too_small_to_divide_by_decodes_greedily(llm: LLM) -> None:
+    params = SamplingParams(temperature=1e-40, max_tokens=12, ignore_eos=True, seed=3)
+    tiny = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert tiny.token_ids == greedy(llm, max_tokens=12).token_ids
 
 
 def test_chat_applies_the_chat_template(llm: LLM) -> None:

@@ -6,7 +6,8 @@ import time
 from typing import Any
 
 from engine import SamplingParams
-from worker.engine_service import EngineService, RequestHandle
+from tests.engine.test_fault_isolation import PoisonedModel
+from worker.engine_service import EngineService, RequestFailed, RequestHandle
 
 
 def _collect(handle: RequestHandle, timeout_s: float = 60.0) -> Any:
@@ -43,3 +44,24 @@ def test_abort_frees_the_request_blocks_within_a_second(service: EngineService) 
     while time.monotonic() < deadline and engine.stats().kv_cache_usage > 0.0:
         time.sleep(0.01)
     assert engine.stats().kv_cache_usage == 0.0 and engine.stats().num_running == 0
+
+
+def test_a_request_that_breaks_a_step_fails_on_its_handle_only(service: EngineService) -> None:
+    engine = service.engine
+    poison = engine.tokenizer.encode("zebra")[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [f"Request number {i}" for i in range(3)]
+    assert all(poison not in engine.tokenizer.encode(p) for p in prompts)
+    expected = [_collect(service.submit(f"before-{i}", p, params)).outputs[0].token_ids for i, p in enumerate(prompts)]
+    assert all(poison not in token_ids for token_ids in expected)
+    engine.runner.model = PoisonedModel(engine.runner.model, poison)
+    try:
+        victims = [service.submit(f"victim-{i}", p, params) for i, p in enumerate(prompts[:2])]
+        faulty = service.submit("faulty", "zebra zebra", params)
+        victims.append(service.submit("victim-2", prompts[2], params))
+        results = [_collect(h) for h in victims]
+        error = _collect(faulty)
+    finally:
+        engine.runner.model = engine.runner.model.model
+    assert isinstance(error, RequestFailed) and f"poisoned token {poison}" in str(error)
+    assert [r.outputs[0].token_ids for r in results] == expected

@@ -1,0 +1,58 @@
+"""Checks a request against the loaded model before it can reach a shared engine step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """The model- and cache-derived bounds every request must respect (mirrored by the API)."""
+
+    # rows of the embedding table = width of the logits: model config.json's ``vocab_size``,
+    # which may be larger than the tokenizer's vocabulary (padded)
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    # device blocks one request may ever hold (the watermark stays free)
+    max_kv_blocks: int
+
+    def kv_blocks_needed(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Blocks a request needs at worst: its prompt plus every sample or beam at full length."""
+        per_seq = _cdiv(params.max_tokens, self.block_size) + 1
+        return _cdiv(num_prompt_tokens, self.block_size) + max(params.n, params.beam_width) * per_seq
+
+
+def _check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field} must be token ids in [0, {vocab_size}), got {bad}")
+
+
+def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, limits: ModelLimits) -> None:
+    """Raise ``ValueError`` naming the argument unless the request can run on this model and cache."""
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("prompt must not be empty")
+    _check_token_ids("prompt", prompt_token_ids, limits.vocab_size)
+    _check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
+    if params.logprobs is not None and params.logprobs > limits.vocab_size:
+        raise ValueError(f"logprobs must be at most the vocabulary size {limits.vocab_size}, got {params.logprobs}")
+    if num_prompt + params.max_tokens > limits.max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+            f"context of {limits.max_model_len} tokens"
+        )
+    worst_case = limits.kv_blocks_needed(num_prompt, params)
+    if worst_case > limits.max_kv_blocks:
+        raise ValueError(
+            f"request needs up to {worst_case} KV blocks but kv_cache_memory holds {limits.max_kv_blocks}; "
+            "raise kv_cache_memory or lower max_tokens / n / beam_width"
+        )

@@ -1,0 +1,136 @@
+"""A request that makes an engine step raise fails alone; every other request finishes with the
+tokens it produces in a run without it (greedy, seeded sampling, n > 1 and beam search alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.outputs import RequestOutput
+
+VICTIMS = {
+    "greedy": ("The quick brown fox", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
+    "seeded": ("Once upon a time", SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=7,
+                                                  ignore_eos=True, logprobs=2)),
+    "parallel": ("In a small village", SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=11,
+                                                      ignore_eos=True, repetition_penalty=1.2)),
+    "beams": ("The weather today is", SamplingParams(beam_width=3, temperature=0.0, max_tokens=6, ignore_eos=True)),
+}
+
+
+class PoisonedModel:
+    """The real model, except that a forward pass whose input holds ``poison`` raises."""
+
+    def __init__(self, model: Any, poison: int) -> None:
+        self.model, self.poison = model, poison
+
+    def __call__(self, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        if bool((input_ids == self.poison).any()):
+            raise RuntimeError(f"poisoned token {self.poison} in the batch")
+        return self.model(input_ids, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class PoisonedTokenizer:
+    """The real tokenizer, except that decoding ``poison`` raises (after the step appended tokens)."""
+
+    def __init__(self, tokenizer: Any, poison: int) -> None:
+        self.tokenizer, self.poison = tokenizer, poison
+
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+        if self.poison in token_ids:
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, f"poisoned token {self.poison}")
+        return self.tokenizer.decode(token_ids, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", seed=1)
+
+
+@pytest.fixture(scope="module")
+def baseline(llm: LLM) -> dict[str, list[list[int]]]:
+    """Each victim's tokens in a run without the faulty request."""
+    outputs = llm.generate([p for p, _ in VICTIMS.values()], [s for _, s in VICTIMS.values()], use_tqdm=False)
+    return {name: [c.token_ids for c in out.outputs] for name, out in zip(VICTIMS, outputs)}
+
+
+def unused_token(llm: LLM, baseline: dict[str, list[list[int]]]) -> int:
+    """A token id that no victim's prompt or output holds."""
+    used = {t for outs in baseline.values() for out in outs for t in out}
+    used |= {t for prompt, _ in VICTIMS.values() for t in llm.tokenizer.encode(prompt)}
+    return next(t for t in range(1000, 2000) if t not in used)
+
+
+@contextmanager
+def poisoned(llm: LLM, site: str, poison: int) -> Iterator[None]:
+    engine = llm.engine
+    if site == "forward":
+        engine.runner.model = PoisonedModel(engine.runner.model, poison)
+    else:
+        engine.tokenizer = PoisonedTokenizer(engine.tokenizer, poison)
+    try:
+        yield
+    finally:
+        engine.runner.model = getattr(engine.runner.model, "model", engine.runner.model)
+        engine.tokenizer = getattr(engine.tokenizer, "tokenizer", engine.tokenizer)
+
+
+def run_with_faulty_request(llm: LLM, faulty_prompt: list[int], steps_before: int) -> dict[str, RequestOutput]:
+    """Start the victims, let them run ``steps_before`` steps, add the faulty request, run to the end."""
+    engine = llm.engine
+    for name, (prompt, params) in VICTIMS.items():
+        engine.add_request(name, prompt, params)
+    finished: dict[str, RequestOutput] = {}
+    for step in range(10_000):
+        if step == steps_before:
+            engine.add_request("faulty", faulty_prompt, SamplingParams(temperature=0.0, max_tokens=8))
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished_requests() and step >= steps_before:
+            return finished
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("site", ["forward", "detokenize"])
+@pytest.mark.parametrize("steps_before", [0, 3])
+def test_only_the_request_that_makes_a_step_raise_fails(
+    llm: LLM, baseline: dict[str, list[list[int]]], site: str, steps_before: int,
+) -> None:
+    poison = unused_token(llm, baseline)
+    faulty_prompt = llm.tokenizer.encode("Please repeat after me") + [poison, 42]
+    with poisoned(llm, site, poison):
+        finished = run_with_faulty_request(llm, faulty_prompt, steps_before)
+    failed = finished.pop("faulty")
+    assert failed.finished and failed.error is not None and f"poisoned token {poison}" in failed.error
+    assert {c.finish_reason for c in failed.outputs} == {"error"}
+    assert {name: [c.token_ids for c in out.outputs] for name, out in finished.items()} == baseline
+    assert all(c.finish_reason == "length" for out in finished.values() for c in out.outputs)
+    stats = llm.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+    assert llm.engine.isolator.num_failed_requests >= 1
+
+
+def test_a_step_that_raises_for_every_request_fails_each_and_the_engine_still_serves(llm: LLM) -> None:
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"doomed-{i}", "Hello there", SamplingParams(max_tokens=4))
+    engine.runner.model = PoisonedModel(engine.runner.model, llm.tokenizer.encode("Hello")[0])
+    try:
+        outputs = {o.request_id: o for o in engine.step()}
+    finally:
+        engine.runner.model = engine.runner.model.model
+    assert sorted(outputs) == ["doomed-0", "doomed-1", "doomed-2"]
+    assert all(o.finished and o.error for o in outputs.values())
+    after = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    assert len(after.outputs[0].token_ids) == 4 and after.error is None
