@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 from fastapi.testclient import TestClient
 
@@ -23,16 +22,28 @@ def _parse(body: str) -> list[tuple[str, dict]]:
     return events
 
 
-def _generate(job_id: str, pieces: list[tuple[str, list[int]]], delay_s: float) -> None:
+def _start(job_id: str) -> None:
     with session_factory()() as session:
         transition(session, job_id, JobStatus.running, {JobStatus.queued})
+
+
+def _publish(job_id: str, pieces: list[tuple[str, list[int]]]) -> None:
     for text, ids in pieces:
-        time.sleep(delay_s)
         streams.publish_tokens(streams.redis_client(), job_id, [{"index": 0, "text": text, "token_ids": ids}])
+
+
+def _succeed(job_id: str, pieces: list[tuple[str, list[int]]]) -> None:
     output = [{"index": 0, "text": "".join(t for t, _ in pieces), "token_ids": [i for _, ids in pieces for i in ids],
                "finish_reason": "length"}]
     with session_factory()() as session:
-        transition(session, job_id, JobStatus.succeeded, {JobStatus.running}, output=output, completion_tokens=3)
+        transition(session, job_id, JobStatus.succeeded, {JobStatus.running}, output=output,
+                   completion_tokens=len(output[0]["token_ids"]))
+
+
+def _generate(job_id: str, pieces: list[tuple[str, list[int]]]) -> None:
+    _start(job_id)
+    _publish(job_id, pieces)
+    _succeed(job_id, pieces)
 
 
 def _submit(client: TestClient, headers: dict[str, str]) -> str:
@@ -42,12 +53,28 @@ def _submit(client: TestClient, headers: dict[str, str]) -> str:
 def test_events_stream_tokens_live_then_the_final_job(client: TestClient, auth_headers: dict[str, str]) -> None:
     job_id = _submit(client, auth_headers)
     pieces = [("Hel", [1]), ("lo", [2]), ("!", [3])]
-    producer = threading.Thread(target=_generate, args=(job_id, pieces, 0.1))
-    producer.start()
-    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth_headers) as response:
-        assert response.headers["content-type"].startswith("text/event-stream")
-        events = _parse(response.read().decode())
-    producer.join()
+    first_token = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth_headers) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                lines.append(line)
+                if line == "event: token":
+                    first_token.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    _start(job_id)
+    _publish(job_id, pieces[:1])
+    arrived_while_running = first_token.wait(timeout=30)  # the job is still running until we finish it below
+    _publish(job_id, pieces[1:])
+    _succeed(job_id, pieces)
+    reader.join(timeout=30)
+    assert arrived_while_running, "no token event reached the client before the job finished"
+    assert not reader.is_alive(), "the stream did not end after the job finished"
+    events = _parse("\n".join(lines))
     tokens = [data for name, data in events if name == "token"]
     assert "".join(t["text"] for t in tokens) == "Hello!" and [i for t in tokens for i in t["token_ids"]] == [1, 2, 3]
     assert events[-1][0] == "done" and events[-1][1]["status"] == "succeeded" and events[-1][1]["text"] == "Hello!"
@@ -55,7 +82,7 @@ def test_events_stream_tokens_live_then_the_final_job(client: TestClient, auth_h
 
 def test_events_after_the_job_finished_replay_everything(client: TestClient, auth_headers: dict[str, str]) -> None:
     job_id = _submit(client, auth_headers)
-    _generate(job_id, [("a", [5]), ("b", [6])], 0.0)
+    _generate(job_id, [("a", [5]), ("b", [6])])
     events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
     assert [name for name, _ in events] == ["token", "token", "done"]
 
@@ -64,7 +91,7 @@ def test_events_fall_back_to_the_stored_output_when_the_stream_is_gone(
     client: TestClient, auth_headers: dict[str, str]
 ) -> None:
     job_id = _submit(client, auth_headers)
-    _generate(job_id, [("xy", [7, 8])], 0.0)
+    _generate(job_id, [("xy", [7, 8])])
     streams.redis_client().delete(streams.events_key(job_id))
     events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
     assert events[0] == ("token", {"index": 0, "text": "xy", "token_ids": [7, 8]})
@@ -88,7 +115,7 @@ def test_a_restarted_job_streams_only_its_new_attempt_and_says_so(
         lines = live.iter_lines()
         assert next(lines) == "id: " + redis.xrange(streams.events_key(job_id))[0][0]
         streams.publish_restart(redis, job_id, attempt=2)
-        _generate(job_id, [("new", [7])], 0.0)
+        _generate(job_id, [("new", [7])])
         live_events = _parse("\n".join(["id: x", *lines]))
     replay = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
     assert [name for name, _ in live_events] == ["token", "restart", "token", "done"]
