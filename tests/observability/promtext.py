@@ -15,5 +15,14 @@ def sample_values(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], flo
 
 
 def value(text: str, name: str, **labels: str) -> float:
-    """One sample's value; 0 when the exposition has no such sample."""
+    """One sample's value; a missing sample is an error, so a metric that disappears fails the test."""
+    samples = sample_values(text)
+    key = (name, frozenset(labels.items()))
+    if key not in samples:
+        raise KeyError(f"no sample {name}{labels} in the exposition")
+    return samples[key]
+
+
+def value_or_zero(text: str, name: str, **labels: str) -> float:
+    """One sample's value, 0 when absent: for a labelled counter read before its first increment."""
     return sample_values(text).get((name, frozenset(labels.items())), 0.0)
