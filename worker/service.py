@@ -54,7 +54,7 @@ def engine_service() -> EngineService:
 
             settings = get_settings()
             engine = LLMEngine.from_kwargs(**engine_kwargs(settings))
-            metrics = WorkerMetrics()
+            metrics = WorkerMetrics(settings.model)
             metrics.set_cache_config(engine)
             _service = EngineService(engine, on_stats=_reporter(metrics), on_step=metrics.observe_step).start()
             log_event(logger, "engine.ready", model=settings.model, worker_id=heartbeat.worker_id(),

@@ -30,7 +30,7 @@ def _exposed_names(families: Iterable[Metric]) -> set[str]:
 def exported_metric_names() -> set[str]:
     """Every pagedserve_* sample name a worker or the API can export."""
     worker = CollectorRegistry()
-    WorkerMetrics(worker)
+    WorkerMetrics("model", worker)
     return _exposed_names(worker.collect()) | _exposed_names(REGISTRY.collect()) | _exposed_names(
         StoreCollector().describe())
 

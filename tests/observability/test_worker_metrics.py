@@ -17,6 +17,7 @@ from worker.metrics import WorkerMetrics, serve_metrics
 
 NUM_REQUESTS = 6
 MAX_TOKENS = 40
+MODEL_NAME = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def _final_output(handle: RequestHandle) -> object:
 @pytest.fixture(scope="module")
 def ran(engine: LLMEngine, registry: CollectorRegistry) -> Iterator[WorkerMetrics]:
     """Metrics after six requests ran to completion, with one more stats report after the last step."""
-    metrics = WorkerMetrics(registry)
+    metrics = WorkerMetrics(MODEL_NAME, registry)
     metrics.set_cache_config(engine)
     service = EngineService(engine, on_stats=metrics.observe_stats, on_step=metrics.observe_step).start()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -57,7 +58,7 @@ def ran(engine: LLMEngine, registry: CollectorRegistry) -> Iterator[WorkerMetric
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    value = registry.get_sample_value(name, labels)
+    value = registry.get_sample_value(name, {"model_name": MODEL_NAME, **labels})
     assert value is not None, f"{name}{labels} is not exported"
     return value
 
@@ -104,7 +105,7 @@ def test_idle_engine_gauges_show_an_empty_cache(ran: WorkerMetrics, registry: Co
 
 def test_busy_engine_reports_kv_usage_and_waste_below_one_block_per_sequence(engine: LLMEngine) -> None:
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry)
+    metrics = WorkerMetrics(MODEL_NAME, registry)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"busy{i}", f"A prompt of some length number {i}", params)
