@@ -1,4 +1,4 @@
-"""Service metrics: jobs submitted and finished, queue depth, HTTP latency by route, webhook deliveries.
+"""Service metrics: jobs submitted and finished, job latencies, queue depth, HTTP latency, webhook deliveries.
 
 Counters live in whichever process does the work (the API for submissions and cancels, a worker for
 results and webhooks); each process is scraped and PromQL sums them. Several API processes share one
@@ -19,11 +19,14 @@ from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.db import session_factory
-from api.models import DeliveryStatus, Job, JobStatus
+from api.models import DeliveryStatus, Job, JobStatus, utcnow
+from api.settings import get_settings
 
 logger = logging.getLogger("pagedserve.metrics")
 UNMATCHED_ROUTE = "unmatched"
 HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# a job's latency counts its wait in the queue: under a backlog that is minutes, for long jobs up to hours
+JOB_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 JOBS_SUBMITTED = Counter("pagedserve_jobs_submitted_total", "jobs accepted into the store")
 JOBS_FINISHED = Counter("pagedserve_jobs_finished_total", "jobs that reached a final state, by status", ["status"])
@@ -35,12 +38,30 @@ HTTP_REQUEST_DURATION = Histogram(
     "pagedserve_http_request_duration_seconds", "API request latency by method, route template and status code",
     ["method", "route", "status_code"], buckets=HTTP_BUCKETS_S,
 )
+JOB_TIME_TO_FIRST_TOKEN = Histogram(
+    "pagedserve_job_time_to_first_token_seconds", "a succeeded job's acceptance (queue wait included) to first token",
+    ["model_name"], buckets=JOB_LATENCY_BUCKETS_S,
+)
+JOB_LATENCY = Histogram(
+    "pagedserve_job_latency_seconds", "a succeeded job's acceptance (queue wait included) to finish",
+    ["model_name"], buckets=JOB_LATENCY_BUCKETS_S,
+)
 for _status in JobStatus:
     if _status.is_final:
         JOBS_FINISHED.labels(_status.value)
 _OUTCOMES = {DeliveryStatus.delivered: "delivered", DeliveryStatus.pending: "retrying", DeliveryStatus.failed: "failed"}
 for _outcome in _OUTCOMES.values():
     WEBHOOK_DELIVERIES.labels(_outcome)
+
+
+def record_job_latencies(job: Job) -> None:
+    """Observe a succeeded job's latencies from its acceptance (created_at) to first token and to finish."""
+    if job.status is not JobStatus.succeeded or job.finished_at is None:
+        return
+    model_name = get_settings().model
+    JOB_LATENCY.labels(model_name).observe((job.finished_at - job.created_at).total_seconds())
+    if job.first_token_at is not None:
+        JOB_TIME_TO_FIRST_TOKEN.labels(model_name).observe((job.first_token_at - job.created_at).total_seconds())
 
 
 def record_webhook_attempt(status_after: DeliveryStatus) -> None:
@@ -52,10 +73,12 @@ class StoreCollector:
     """Gauges read from the job store at scrape time: the same answer from any API process."""
 
     def describe(self) -> list[Metric]:
-        """The gauges' families, without samples: jobs by status, and the queue depth."""
+        """The gauges' families, without samples: jobs by status, the queue depth and its oldest job's age."""
         return [
             GaugeMetricFamily("pagedserve_jobs", "jobs in the store by status", labels=["status"]),
             GaugeMetricFamily("pagedserve_queue_depth", "jobs accepted and not yet claimed by a worker", labels=[]),
+            GaugeMetricFamily("pagedserve_queue_oldest_age_seconds",
+                              "how long the oldest queued job has waited since acceptance (0 when none)", labels=[]),
         ]
 
     def collect(self) -> Iterator[Metric]:
@@ -63,15 +86,17 @@ class StoreCollector:
         try:
             with session_factory()() as session:
                 rows = session.execute(select(Job.status, func.count()).group_by(Job.status)).all()
+                oldest = session.scalar(select(func.min(Job.created_at)).where(Job.status == JobStatus.queued))
         except Exception as exc:  # a scrape must not fail with the database; the gauges go missing instead
             logger.warning("metrics.store_unavailable error=%r", exc)
             return
         counts = {status: count for status, count in rows}
-        jobs, queue_depth = self.describe()
+        jobs, queue_depth, oldest_age = self.describe()
         for status in JobStatus:
             jobs.add_metric([status.value], counts.get(status, 0))
         queue_depth.add_metric([], counts.get(JobStatus.queued, 0))
-        yield from (jobs, queue_depth)
+        oldest_age.add_metric([], (utcnow() - oldest).total_seconds() if oldest is not None else 0.0)
+        yield from (jobs, queue_depth, oldest_age)
 
 
 def render_metrics() -> tuple[bytes, str]:
