@@ -43,6 +43,14 @@ class FileObject(BaseModel):
                    filename=stored.filename, purpose=stored.purpose)
 
 
+class FileDeleted(BaseModel):
+    """OpenAI's answer to DELETE /v1/files/{id}."""
+
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
 class BatchObject(BaseModel):
     """OpenAI's batch object."""
 

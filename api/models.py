@@ -183,6 +183,8 @@ class StoredFile(Base):
     bytes: Mapped[int] = mapped_column(Integer)
     content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # loaded only when read
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # a deleted file keeps its row (batches name it) but not its content
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Batch(Base):

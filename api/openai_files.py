@@ -1,15 +1,15 @@
-"""The OpenAI Files API over the job store: JSONL uploads for batches and the files batches produce."""
+"""The OpenAI Files API over the job store: JSONL uploads for batches, the files batches produce, deletion, quotas."""
 
 from __future__ import annotations
 
-import json
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.models import ApiKey, Batch, StoredFile
+from api.file_upload import parse_line, read_jsonl_upload
+from api.models import ApiKey, Batch, StoredFile, utcnow
 from api.settings import get_settings
 
 BATCH_INPUT = "batch"
@@ -19,41 +19,34 @@ Owned = TypeVar("Owned", StoredFile, Batch)
 
 def jsonl_lines(content: bytes) -> list[tuple[int, dict[str, Any]]]:
     """(line number, object) of each non-blank line of a JSONL file; ApiError names the first bad line."""
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"file: not UTF-8 text (byte {exc.start})", "file") from exc
-    lines = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ApiError(400, f"file: line {number} is not valid JSON: {exc.msg}", "file") from exc
-        if not isinstance(value, dict):
-            raise ApiError(400, f"file: line {number} must be a JSON object, got {type(value).__name__}", "file")
-        lines.append((number, value))
-    return lines
+    lines = ((number, parse_line(number, raw)) for number, raw in enumerate(content.split(b"\n"), start=1))
+    return [(number, value) for number, value in lines if value is not None]
 
 
-def _check_batch_input(content: bytes) -> None:
-    lines = jsonl_lines(content)
-    limit = get_settings().max_batch_lines
-    if not lines:
-        raise ApiError(400, "file: a batch input file needs at least one request line", "file")
-    if len(lines) > limit:
-        raise ApiError(400, f"file: a batch input file may hold at most {limit} requests, got {len(lines)}", "file")
+def _check_quota(session: Session, key: ApiKey, new_bytes: int) -> None:
+    settings = get_settings()
+    num_files, num_bytes = session.execute(
+        select(func.count(), func.coalesce(func.sum(StoredFile.bytes), 0))
+        .where(StoredFile.api_key_id == key.id, StoredFile.deleted_at.is_(None))
+    ).one()
+    if num_files + 1 > settings.max_files_per_key:
+        raise ApiError(400, f"file: this API key already has {num_files} files, the most allowed is "
+                            f"{settings.max_files_per_key}; delete some (DELETE /v1/files/{{id}})", "file")
+    if num_bytes + new_bytes > settings.max_file_storage_bytes_per_key:
+        raise ApiError(400, f"file: this API key's files hold {num_bytes} bytes; {new_bytes} more would pass the "
+                            f"quota of {settings.max_file_storage_bytes_per_key} bytes; delete some "
+                            "(DELETE /v1/files/{id})", "file")
 
 
-def create_file(session: Session, key: ApiKey, filename: str, purpose: str, content: bytes) -> StoredFile:
-    """Store an uploaded file; batch inputs must be JSONL with one request object per line."""
+def create_file(session: Session, key: ApiKey, filename: str, purpose: str, upload: BinaryIO) -> StoredFile:
+    """Store an uploaded file, read in chunks; batch inputs must be JSONL with one request object per line."""
     if purpose != BATCH_INPUT:
         raise ApiError(400, f"purpose must be '{BATCH_INPUT}', got '{purpose}'", "purpose")
-    limit = get_settings().max_file_bytes
-    if len(content) > limit:
-        raise ApiError(413, f"file: {len(content)} bytes exceed the limit of {limit} bytes", "file")
-    _check_batch_input(content)
+    if "\x00" in filename:
+        raise ApiError(400, "file: the filename must not contain the NUL character", "file")
+    settings = get_settings()
+    content = read_jsonl_upload(upload, settings.max_file_bytes, settings.max_batch_lines)
+    _check_quota(session, key, len(content))
     return store_file(session, key.id, filename, purpose, content)
 
 
@@ -67,20 +60,31 @@ def store_file(session: Session, owner_id: str, filename: str, purpose: str, con
 
 def get_owned(session: Session, key: ApiKey, model: type[Owned], object_id: str, what: str) -> Owned:
     """The caller's file or batch, or 404 (also for another key's, so ids reveal nothing)."""
-    found = session.get(model, object_id)
+    found = session.get(model, object_id) if "\x00" not in object_id else None  # PostgreSQL refuses NUL
     if found is None or found.api_key_id != key.id:
         raise ApiError(404, f"{what} {object_id} not found", f"{what}_id")
     return found
 
 
 def get_file(session: Session, key: ApiKey, file_id: str) -> StoredFile:
-    """The caller's file, or 404."""
-    return get_owned(session, key, StoredFile, file_id, "file")
+    """The caller's file, or 404 (also once deleted)."""
+    stored = get_owned(session, key, StoredFile, file_id, "file")
+    if stored.deleted_at is not None:
+        raise ApiError(404, f"file {file_id} not found", "file_id")
+    return stored
 
 
 def list_files(session: Session, key: ApiKey, purpose: str | None) -> list[StoredFile]:
     """The caller's files, newest first."""
-    query = select(StoredFile).where(StoredFile.api_key_id == key.id)
+    query = select(StoredFile).where(StoredFile.api_key_id == key.id, StoredFile.deleted_at.is_(None))
     if purpose is not None:
         query = query.where(StoredFile.purpose == purpose)
     return list(session.scalars(query.order_by(StoredFile.created_at.desc())))
+
+
+def delete_file(session: Session, key: ApiKey, file_id: str) -> None:
+    """Delete one of the caller's files: its content goes, its row stays marked deleted for the batches naming it."""
+    get_file(session, key, file_id)
+    session.execute(update(StoredFile).where(StoredFile.id == file_id, StoredFile.deleted_at.is_(None))
+                    .values(deleted_at=utcnow(), content=b""))
+    session.commit()

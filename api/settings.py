@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body the API accepts")
     max_file_bytes: int = Field(100 << 20, ge=1024, description="largest file POST /v1/files accepts")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests one OpenAI batch input file may hold")
+    max_files_per_key: int = Field(1000, ge=1, description="most files (uploads and batch outputs) one API key keeps")
+    max_file_storage_bytes_per_key: int = Field(
+        10 << 30, ge=1024, description="most bytes of files one API key keeps; uploads past it are refused")
     openai_timeout_s: float = Field(600.0, gt=0, description="wait for a non-streaming OpenAI job")
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="a worker silent this long is dead; its jobs are requeued")
     reaper_interval_s: float = Field(3.0, gt=0, description="how often a worker looks for dead workers' and lost jobs")

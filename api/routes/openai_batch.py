@@ -8,7 +8,7 @@ from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 
 from api import batches, openai_files
 from api.auth import CurrentKey, DbSession
-from api.batch_schemas import BatchCreate, BatchList, BatchObject, FileList, FileObject
+from api.batch_schemas import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
 from api.models import Batch
 from api.openai_errors import OpenAIRoute
 
@@ -19,10 +19,17 @@ router = APIRouter(prefix="/v1", tags=["openai-batch"], route_class=OpenAIRoute)
 def upload_file(
     key: CurrentKey, session: DbSession, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
 ) -> FileObject:
-    """Upload a JSONL batch input file (purpose `batch`); every line is checked to be a JSON object."""
-    stored = openai_files.create_file(session, key, file.filename or "upload.jsonl", purpose, file.file.read())
+    """Upload a JSONL batch input file (purpose `batch`); every line is checked to be a JSON object as it is read."""
+    stored = openai_files.create_file(session, key, file.filename or "upload.jsonl", purpose, file.file)
     session.commit()
     return FileObject.of(stored)
+
+
+@router.delete("/files/{file_id}", response_model=FileDeleted)
+def delete_file(file_id: str, key: CurrentKey, session: DbSession) -> FileDeleted:
+    """Delete one of the caller's files (batches that name it keep its id)."""
+    openai_files.delete_file(session, key, file_id)
+    return FileDeleted(id=file_id)
 
 
 @router.get("/files", response_model=FileList)

@@ -1,0 +1,143 @@
+"""The Files and Batch APIs under one tenant's pressure: streamed size and line limits, deletion, quotas, job caps."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.errors import ApiError
+from api.file_upload import read_jsonl_upload
+from api.settings import Settings, configure
+
+Headers = Callable[[str], dict[str, str]]
+
+
+def _model_id(client: TestClient, headers: dict[str, str]) -> str:
+    return client.get("/v1/models", headers=headers).json()["data"][0]["id"]
+
+
+def _batch_file(model: str, num_lines: int) -> bytes:
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": model, "prompt": "Hi", "max_tokens": 2}} for i in range(num_lines)]
+    return "\n".join(json.dumps(line) for line in lines).encode()
+
+
+def _upload(client: TestClient, headers: dict[str, str], content: bytes) -> Any:
+    return client.post("/v1/files", headers=headers, data={"purpose": "batch"},
+                       files={"file": ("in.jsonl", content, "application/jsonl")})
+
+
+@pytest.fixture
+def limited(service_settings: Settings) -> Iterator[TestClient]:
+    """An app whose keys may have 2 jobs in flight, 2 files, 4 KiB of files and 5 lines per batch file."""
+    settings = service_settings.model_copy(update={
+        "max_inflight_jobs_per_key": 2, "max_files_per_key": 2, "max_file_storage_bytes_per_key": 4096,
+        "max_batch_lines": 5})
+    with TestClient(create_app(settings)) as client:
+        yield client
+    configure(service_settings)
+
+
+def test_a_batch_counts_toward_the_in_flight_cap(limited: TestClient, new_auth_headers: Headers) -> None:
+    headers = new_auth_headers("batch-cap")
+    file_id = _upload(limited, headers, _batch_file(_model_id(limited, headers), 3)).json()["id"]
+    body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    refused = limited.post("/v1/batches", json=body, headers=headers)
+    assert refused.status_code == 429 and refused.headers["Retry-After"]
+    assert "too many jobs in flight" in refused.json()["error"]["message"]
+    assert limited.get("/v1/jobs", headers=headers).json()["data"] == []
+
+
+def test_an_upload_past_the_line_limit_is_413(limited: TestClient, new_auth_headers: Headers) -> None:
+    headers = new_auth_headers("lines")
+    response = _upload(limited, headers, _batch_file("m", 6))
+    assert response.status_code == 413 and "at most 5 requests" in response.json()["error"]["message"]
+
+
+def test_an_upload_stops_reading_at_the_first_line_past_the_limit() -> None:
+    line = b'{"custom_id": "r"}\n'
+    upload = io.BytesIO(line * 100_000)
+    with pytest.raises(ApiError, match="at most 10 requests") as refused:
+        read_jsonl_upload(upload, max_bytes=10 << 20, max_lines=10)
+    assert refused.value.status_code == 413 and upload.tell() < len(line) * 10_000
+
+
+def test_an_upload_stops_reading_at_the_size_limit() -> None:
+    upload = io.BytesIO(b'{"a": "' + b"x" * (1 << 20) + b'"}')
+    with pytest.raises(ApiError, match="larger than the limit of 4096 bytes") as refused:
+        read_jsonl_upload(upload, max_bytes=4096, max_lines=10)
+    assert refused.value.status_code == 413 and upload.tell() < 1 << 18
+
+
+def test_an_oversized_chunked_upload_is_413(client: TestClient, auth_headers: dict[str, str],
+                                            service_settings: Settings) -> None:
+    boundary = "psboundary"
+
+    def multipart() -> Iterator[bytes]:
+        yield (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+               f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n').encode()
+        for _ in range(service_settings.max_file_bytes // (1 << 16) + 2):
+            yield b"x" * (1 << 16)
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    headers = {**auth_headers, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    response = client.post("/v1/files", content=multipart(), headers=headers)
+    assert response.status_code == 413
+
+
+def test_a_deleted_file_is_gone_and_answered_in_openai_shape(
+    client: TestClient, auth_headers: dict[str, str], new_auth_headers: Headers
+) -> None:
+    file_id = _upload(client, auth_headers, _batch_file("m", 1)).json()["id"]
+    assert client.delete(f"/v1/files/{file_id}", headers=new_auth_headers("not-owner")).status_code == 404
+    response = client.delete(f"/v1/files/{file_id}", headers=auth_headers)
+    assert response.status_code == 200
+    assert response.json() == {"id": file_id, "object": "file", "deleted": True}
+    assert client.get(f"/v1/files/{file_id}", headers=auth_headers).status_code == 404
+    assert client.get(f"/v1/files/{file_id}/content", headers=auth_headers).status_code == 404
+    assert file_id not in [f["id"] for f in client.get("/v1/files", headers=auth_headers).json()["data"]]
+    assert client.delete(f"/v1/files/{file_id}", headers=auth_headers).status_code == 404
+
+
+def test_a_batch_keeps_the_id_of_its_deleted_input_file(client: TestClient, auth_headers: dict[str, str]) -> None:
+    file_id = _upload(client, auth_headers, _batch_file(_model_id(client, auth_headers), 1)).json()["id"]
+    body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    batch_id = client.post("/v1/batches", json=body, headers=auth_headers).json()["id"]
+    assert client.delete(f"/v1/files/{file_id}", headers=auth_headers).status_code == 200
+    batch = client.get(f"/v1/batches/{batch_id}", headers=auth_headers)
+    assert batch.status_code == 200 and batch.json()["input_file_id"] == file_id
+    assert client.post("/v1/batches", json=body, headers=auth_headers).status_code == 404
+
+
+def test_the_file_count_quota_refuses_uploads_until_a_file_is_deleted(
+    limited: TestClient, new_auth_headers: Headers
+) -> None:
+    headers = new_auth_headers("count-quota")
+    first, _ = (_upload(limited, headers, _batch_file("m", 1)).json()["id"] for _ in range(2))
+    refused = _upload(limited, headers, _batch_file("m", 1))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "file"
+    assert "the most allowed is 2" in refused.json()["error"]["message"]
+    assert _upload(limited, new_auth_headers("count-quota-other"), _batch_file("m", 1)).status_code == 200
+    limited.delete(f"/v1/files/{first}", headers=headers)
+    assert _upload(limited, headers, _batch_file("m", 1)).status_code == 200
+
+
+def test_the_byte_quota_refuses_an_upload_that_would_pass_it(limited: TestClient, new_auth_headers: Headers) -> None:
+    headers = new_auth_headers("byte-quota")
+    content = _batch_file("m" * 2000, 1)
+    assert _upload(limited, headers, content).status_code == 200
+    refused = _upload(limited, headers, content)
+    assert refused.status_code == 400 and "quota of 4096 bytes" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/files/file_%00", "/v1/batches/batch_%00"])
+def test_a_nul_character_in_a_file_or_batch_id_is_404(
+    client: TestClient, auth_headers: dict[str, str], path: str
+) -> None:
+    assert client.get(path, headers=auth_headers).status_code == 404
