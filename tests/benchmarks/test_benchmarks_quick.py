@@ -23,15 +23,18 @@ def test_throughput_reports_every_system_with_ratios(tiny_model_dir: Path, tmp_p
     throughput.main(_argv(tiny_model_dir, tmp_path)
                     + ["--systems", "pagedserve", "orca-max", "hf-static", "hf-continuous"])
     systems = _written(tmp_path, "throughput")["systems"]
-    assert systems["pagedserve"]["pagedserve_speedup"] == pytest.approx(1.0)
+    assert not [name for name, result in systems.items() if "error" in result]
+    base = systems["pagedserve"]["output_tokens_per_s"]
+    for name, result in systems.items():  # each baseline's ratio is pagedserve's rate over its own
+        assert result["output_tokens_per_s"] > 0
+        assert result["pagedserve_speedup"] == pytest.approx(base / result["output_tokens_per_s"])
+        assert result["output_tokens"] == systems["pagedserve"]["output_tokens"], name
     for name in ("pagedserve", "orca-max"):
         result = systems[name]
-        assert result["output_tokens_per_s"] > 0 and 1 <= result["mean_batch_size"] <= result["peak_batch_size"]
+        assert 1 <= result["mean_batch_size"] <= result["peak_batch_size"]
         assert 0 <= result["mean_kv_waste"] < 1
     # reservation holds blocks no token fills yet: more waste than paging
     assert systems["orca-max"]["mean_kv_waste"] > systems["pagedserve"]["mean_kv_waste"]
-    assert systems["hf-static"]["output_tokens"] == systems["pagedserve"]["output_tokens"]
-    assert "output_tokens_per_s" in systems["hf-continuous"] or "error" in systems["hf-continuous"]
 
 
 def test_repeated_rounds_report_each_systems_fastest_round(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -66,8 +69,8 @@ def test_sharing_saves_blocks_for_samples_beams_and_prefixes(tiny_model_dir: Pat
     sharing.main(_argv(tiny_model_dir, tmp_path))
     payload = _written(tmp_path, "sharing")
     assert [row["scenario"] for row in payload["results"]] == ["parallel n=2", "beam width=2", "shared prefix 1-shot"]
-    for row in payload["results"]:
-        assert row["mean_blocks_shared"] <= row["mean_blocks_unshared"]
-        assert 0 <= row["saving_percent"] < 100
+    for row in payload["results"]:  # every kind of sharing saves blocks
+        assert row["mean_blocks_shared"] < row["mean_blocks_unshared"], row["scenario"]
+        assert row["saving_percent"] == pytest.approx(100 * (1 - row["mean_blocks_shared"] / row["mean_blocks_unshared"]))
     prefix_rows = [row for row in payload["results"] if row["scenario"].startswith("shared prefix")]
-    assert all(row["saving_percent"] > 0 and row["prefix_cache_hit_rate"] > 0 for row in prefix_rows)
+    assert all(row["prefix_cache_hit_rate"] > 0 for row in prefix_rows)
