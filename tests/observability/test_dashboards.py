@@ -19,6 +19,7 @@ from worker.metrics import WorkerMetrics
 ROOT = Path(__file__).parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
 METRIC_NAME = re.compile(r"\bpagedserve_[a-z0-9_]+\b")
+DATASOURCE_VARIABLE = "${datasource}"
 SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
                    "info": ("_info",)}
 
@@ -60,17 +61,40 @@ def test_dashboard_uses_only_metrics_the_code_exports(path: Path) -> None:
     assert used - exported_metric_names() == set()
 
 
+def _datasource_refs(node: Any) -> Iterator[dict[str, Any]]:
+    """Every datasource reference in a dashboard: panels, targets, template variables."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "datasource" and isinstance(value, dict):
+                yield value
+            else:
+                yield from _datasource_refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _datasource_refs(value)
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_dashboard_picks_its_prometheus_through_a_datasource_variable(path: Path) -> None:
+    dashboard = json.loads(path.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    provisioned = _load_yaml("grafana", "provisioning", "datasources", "prometheus.yml")["datasources"][0]
+    assert variables["datasource"]["current"]["value"] == provisioned["uid"]  # the default is the compose one
+    refs = list(_datasource_refs(dashboard))
+    assert refs and all(ref == {"type": "prometheus", "uid": DATASOURCE_VARIABLE} for ref in refs)
+
+
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
 def test_dashboard_is_provisionable_grafana_json(path: Path) -> None:
     dashboard = json.loads(path.read_text())
-    datasource_uid = _load_yaml("grafana", "provisioning", "datasources", "prometheus.yml")["datasources"][0]["uid"]
     assert dashboard["uid"] and dashboard["title"] and isinstance(dashboard["schemaVersion"], int)
     assert "id" not in dashboard or dashboard["id"] is None  # provisioning assigns ids
     panel_ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(panel_ids) == len(set(panel_ids))
     for panel in dashboard["panels"]:
         assert panel["type"] in {"timeseries", "table", "stat"} and set(panel["gridPos"]) == {"x", "y", "w", "h"}
-        assert panel["targets"] and all(t["datasource"]["uid"] == datasource_uid for t in panel["targets"])
+        assert panel["targets"] and all(t["datasource"]["uid"] == DATASOURCE_VARIABLE for t in panel["targets"])
         assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
 
 
@@ -80,7 +104,24 @@ def test_engine_dashboard_shows_every_worker_series_the_issue_names() -> None:
                  "num_requests_running", "num_requests_waiting", "num_requests_swapped", "preemptions_total",
                  "swapped_blocks_total", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "prefix_cache_hits_total", "prefix_cache_queries_total"):
+                 "e2e_request_latency_seconds_bucket", "prefix_cache_hits_total", "prefix_cache_queries_total",
+                 "engine_stalled_seconds", "engine_last_step_timestamp_seconds"):
+        assert f"pagedserve_{name}" in used, name
+
+
+def test_every_engine_panel_selects_the_chosen_models_and_workers() -> None:
+    dashboard = json.loads(DASHBOARDS[0].read_text())
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "model_name", "instance"}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            selectors = re.findall(r"pagedserve_\w+\{([^}]*)\}", target["expr"])
+            assert selectors and all('model_name=~"$model_name"' in s and 'instance=~"$instance"' in s
+                                     for s in selectors), panel["title"]
+
+
+def test_service_dashboard_shows_job_latency_from_acceptance_and_the_queue_age() -> None:
+    used = {n for e in dashboard_expressions(json.loads(DASHBOARDS[1].read_text())) for n in METRIC_NAME.findall(e)}
+    for name in ("job_time_to_first_token_seconds_bucket", "job_latency_seconds_bucket", "queue_oldest_age_seconds"):
         assert f"pagedserve_{name}" in used, name
 
 
