@@ -29,6 +29,13 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "wizard", "content": "y"}]}, "messages.0.role"),
     ({"prompt": "fox " * 100, "max_tokens": 64}, "prompt"),
     ({"prompt": "x", "webhook_url": "ftp://example.com/hook"}, "webhook_url"),
+    # PostgreSQL text cannot hold NUL: refused on every store, not a 500 on one of them
+    ({"prompt": "Hi\u0000there"}, "prompt: Value error, must not contain the NUL character"),
+    ({"messages": [{"role": "user", "content": "Hi\u0000"}]}, "messages.0.content: Value error, must not contain"),
+    ({"prompt": "Hi", "stop": ["a\u0000"]}, "stop.0: Value error, must not contain the NUL"),
+    ({"prompt": "Hi", "metadata": {"note": "x\u0000"}}, "metadata.note"),
+    ({"prompt": "Hi", "metadata": {"k\u0000": "x"}}, "metadata"),
+    ({"prompt": "Hi", "webhook_url": "http://127.0.0.1/\u0000"}, "webhook_url: Value error, must not contain"),
 ]
 
 
