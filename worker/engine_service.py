@@ -91,7 +91,9 @@ class EngineService:
             return
         try:
             self.engine.add_request(command.handle.request_id, command.prompt, command.params, command.priority)
-        except ValueError as exc:
+        except Exception as exc:  # a ValueError names bad input; anything else must not end this thread
+            if not isinstance(exc, ValueError):
+                logger.exception("engine.add_request_failed")
             command.handle.outputs.put(exc)
             return
         self._handles[command.handle.request_id] = command.handle

@@ -105,7 +105,7 @@ def test_a_row_with_nan_or_infinite_logits_takes_the_argmax_of_its_finite_ones(
     logits = torch.tensor([values], dtype=torch.float32)
     logits[0, 0] = float("nan")
     logits[0, -1] = float("inf")
-    finite = logits.nan_to_num(nan=float("-inf"), posinf=float("-inf"))
+    finite = logits.nan_to_num(nan=float("-inf"), posinf=float("-inf"), neginf=float("-inf"))
     expected = int(finite.argmax()) if bool(torch.isfinite(finite).any()) else 0
     assert sample(logits, rows(1, seed=0, temperature=temperature))[0].token_id == expected
 
@@ -131,6 +131,9 @@ def test_huge_logits_and_temperatures_sample_finite_probabilities() -> None:
     # at an enormous temperature (inf in fp32) the finite logits become about equally likely;
     # the masked one is never drawn
     assert {r.token_id for r in sample(logits, rows(400, seed=2, temperature=1e300))} == {0, 1, 2}
+    # equal huge logits stay a fair draw: divided before shifting by their max they would overflow
+    tied = torch.tensor([[2e38, 2e38, -1.0]]).expand(400, -1).contiguous()
+    assert {r.token_id for r in sample(tied, rows(400, seed=2, temperature=0.5))} == {0, 1}
 
 
 # ---- device placement --------------------------------------------------------------------------

@@ -189,7 +189,7 @@ def test_bad_prompts_are_refused(llm: LLM) -> None:
 )
 def test_add_request_refuses_what_the_model_cannot_run(llm: LLM, prompt: object, kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        llm.engine.add_request("refused", prompt, SamplingParams(**kwargs))
+        llm.engine.add_request(f"refused-{field}-{prompt}", prompt, SamplingParams(**kwargs))
     assert not llm.engine.has_unfinished_requests()
 
 
