@@ -13,6 +13,7 @@ from api.models import ApiKey, Job
 from api.openai_errors import error_object, validation_errors
 from api.openai_files import jsonl_lines
 from api.openai_schemas import REQUEST_SCHEMAS
+from api.settings import get_settings
 
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -67,6 +68,7 @@ def build_line(key: ApiKey, number: int, line: dict[str, Any], endpoint: str, ba
             raise ApiError(400, "stream is not supported in a batch", "stream")
         job_create = request.to_job()
         job_create.metadata = {**(job_create.metadata or {}), "batch_id": batch_id, "custom_id": custom_id}
+        job_create.priority = get_settings().batch_priority  # below interactive traffic, in the broker and the engine
         job = build_job(key, job_create)
     except ValidationError as exc:
         message, param = validation_errors(list(exc.errors()))

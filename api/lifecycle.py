@@ -64,6 +64,6 @@ def job_created(job: Job) -> None:
     log_event(logger, "job.transition", job_id=job.id, status=job.status.value, attempts=0)
     JOBS_SUBMITTED.inc()
     try:
-        queue.enqueue_job(job.id)
+        queue.enqueue_job(job.id, job.priority)
     except Exception as exc:  # Accepted work stays queued in the database; a reconciler re-enqueues it.
         logger.error("job.enqueue_failed job_id=%s error=%r", job.id, exc)

@@ -1,4 +1,10 @@
-"""The Celery application shared by the API (to enqueue) and the workers (to consume); no tasks are imported here."""
+"""The Celery application shared by the API (to enqueue) and the workers (to consume); no tasks are imported here.
+
+A job's priority reaches the broker: Celery's Redis transport splits each queue into one list per
+priority level (0 to 8) and a worker's BRPOP names level 0 of every queue first, so an urgent job
+overtakes a backlog of any length, not only the few jobs a worker already holds (those the engine's
+own priority scheduling orders).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 from celery import Celery
+from kombu.transport.redis import Channel as RedisChannel
 
 from api.settings import Settings, get_settings
 
@@ -13,8 +20,11 @@ RUN_JOB_TASK = "pagedserve.run_job"
 DELIVER_WEBHOOK_TASK = "pagedserve.deliver_webhook"
 JOBS_QUEUE = "pagedserve.jobs"
 WEBHOOKS_QUEUE = "pagedserve.webhooks"
-# Longer than any job may run: a shorter visibility timeout would hand a running job to a second worker.
-VISIBILITY_TIMEOUT_S = 6 * 3600
+MAX_PRIORITY = 1000  # the API's priorities run from -MAX_PRIORITY (most urgent) to MAX_PRIORITY
+PRIORITY_BAND = 250  # API priorities per broker level on each side of 0
+MIDDLE_LEVEL = MAX_PRIORITY // PRIORITY_BAND  # the level of priority 0, the default of interactive jobs
+BROKER_LEVELS = list(range(2 * MIDDLE_LEVEL + 1))  # Redis priority levels, 0 taken first
+WEBHOOK_LEVEL = 0  # a delivery is cheap and has a deadline: it never waits behind a backlog of jobs
 
 
 def broker_key_prefix(settings: Settings) -> str:
@@ -22,17 +32,30 @@ def broker_key_prefix(settings: Settings) -> str:
     return settings.redis_key_prefix + "celery:"
 
 
-def broker_queue_key(queue_name: str) -> str:
-    """The Redis list holding a queue's messages that no worker has taken yet."""
-    return broker_key_prefix(get_settings()) + queue_name
+def broker_queue_keys(queue_name: str) -> list[str]:
+    """The Redis lists holding a queue's messages that no worker has taken yet, one per priority level."""
+    base = broker_key_prefix(get_settings()) + queue_name
+    # kombu names level 0 without a suffix; its default separator is kept so bindings stored by older workers parse
+    return [base] + [f"{base}{RedisChannel.sep}{level}" for level in BROKER_LEVELS[1:]]
+
+
+def broker_level(priority: int) -> int:
+    """The broker level (0 runs first) of an API priority (lower runs earlier); priority 0 is the middle level."""
+    # each 250 more or less urgent is one level away: -1..-250 → 3, -751..-1000 → 0, 1..250 → 5, 751..1000 → 8
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY}, got {priority}")
+    bands_away = -(-priority // PRIORITY_BAND) if priority > 0 else priority // PRIORITY_BAND  # rounded outwards
+    return MIDDLE_LEVEL + bands_away
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings: late acks so a crashed worker's job is redelivered, one prefetch per free slot."""
     transport = {
-        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+        "visibility_timeout": 6 * 3600,  # BROKEN
         "global_keyprefix": broker_key_prefix(settings),
         "unacked_restore_interval": 5,
+        # one list per level; BRPOP polls level-major across queues, so levels order jobs and webhooks alike
+        "priority_steps": BROKER_LEVELS,
     }
     return {
         "broker_url": settings.redis_url,
@@ -62,11 +85,12 @@ def celery_app() -> Celery:
     return _celery_for(get_settings().model_dump_json())
 
 
-def enqueue_job(job_id: str) -> None:
-    """Queue a job for the workers; the message carries only its id."""
-    celery_app().send_task(RUN_JOB_TASK, args=[job_id])
+def enqueue_job(job_id: str, priority: int) -> None:
+    """Queue a job for the workers at its priority's broker level; the message carries only its id."""
+    celery_app().send_task(RUN_JOB_TASK, args=[job_id], priority=broker_level(priority))
 
 
 def enqueue_webhook(delivery_id: str, countdown_s: float = 0.0) -> None:
     """Queue one webhook delivery attempt, optionally after a delay."""
-    celery_app().send_task(DELIVER_WEBHOOK_TASK, args=[delivery_id], countdown=countdown_s or None)
+    celery_app().send_task(DELIVER_WEBHOOK_TASK, args=[delivery_id], countdown=countdown_s or None,
+                           priority=WEBHOOK_LEVEL)

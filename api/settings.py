@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
     rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
     max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
+    batch_priority: int = Field(500, ge=-1000, le=1000, description="priority of Batch API jobs (lower runs "
+                                "earlier; interactive jobs default to 0, so batches yield to them)")
 
     @field_validator("swap_space", mode="before")
     @classmethod

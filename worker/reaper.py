@@ -31,7 +31,10 @@ logger = logging.getLogger("pagedserve.reaper")
 
 def _ready_job_ids() -> set[str]:
     """Job ids of the run-job messages waiting in the broker's queue (not yet taken by any worker)."""
-    raw_messages = streams.redis_client().lrange(queue.broker_queue_key(queue.JOBS_QUEUE), 0, -1)
+    pipe = streams.redis_client().pipeline()
+    for list_key in queue.broker_queue_keys(queue.JOBS_QUEUE):
+        pipe.lrange(list_key, 0, -1)
+    raw_messages = [raw for level in pipe.execute() for raw in level]
     ids = set()
     for raw in raw_messages:
         args = json.loads(base64.b64decode(json.loads(raw)["body"]))[0]
@@ -109,7 +112,7 @@ class Reaper:
                              worker_id=None, started_at=None, first_token_at=None)
             if job is not None:
                 log_event(logger, "job.requeued", job_id=job_id, dead_worker=worker, attempts=job.attempts)
-                queue.enqueue_job(job_id)
+                queue.enqueue_job(job_id, job.priority)
                 requeued.append(job_id)
         return requeued
 
@@ -117,14 +120,15 @@ class Reaper:
 def reenqueue_lost_jobs(session: Session) -> list[str]:
     """Re-enqueue jobs queued longer than the grace period whose message is not in the broker's queue."""
     cutoff = utcnow() - timedelta(seconds=get_settings().reconcile_grace_s)
-    stale = set(session.scalars(select(Job.id).where(Job.status == JobStatus.queued, Job.created_at < cutoff)))
+    stale = dict(session.execute(
+        select(Job.id, Job.priority).where(Job.status == JobStatus.queued, Job.created_at < cutoff)).tuples().all())
     if not stale:
         return []
-    lost = sorted(stale - _ready_job_ids())
+    lost = sorted(stale.keys() - _ready_job_ids())
     reenqueued = [job_id for job_id in lost if _claim_requeue("job", job_id)]
     for job_id in reenqueued:
         log_event(logger, "job.reenqueued", job_id=job_id, reason="queued in the store, missing from the broker")
-        queue.enqueue_job(job_id)
+        queue.enqueue_job(job_id, stale[job_id])
     return reenqueued
 
 

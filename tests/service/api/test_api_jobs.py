@@ -7,12 +7,18 @@ from collections.abc import Callable
 import redis
 from fastapi.testclient import TestClient
 
+from api import queue
 from api.settings import Settings
+
+
+def _default_level_key() -> str:
+    """The broker list of priority-0 jobs."""
+    return queue.broker_queue_keys(queue.JOBS_QUEUE)[queue.MIDDLE_LEVEL]
 
 
 def _queue_length(settings: Settings) -> int:
     client = redis.Redis.from_url(settings.redis_url)
-    return int(client.llen(f"{settings.redis_key_prefix}celery:pagedserve.jobs"))
+    return int(client.llen(_default_level_key()))
 
 
 def test_submit_returns_202_and_the_queued_job(client: TestClient, auth_headers: dict[str, str]) -> None:
@@ -31,9 +37,7 @@ def test_submit_puts_only_the_job_id_on_the_queue(
     before = _queue_length(service_settings)
     job = client.post("/v1/jobs", json={"prompt": "the lazy dog"}, headers=auth_headers).json()
     assert _queue_length(service_settings) == before + 1
-    raw = redis.Redis.from_url(service_settings.redis_url).lindex(
-        f"{service_settings.redis_key_prefix}celery:pagedserve.jobs", 0
-    )
+    raw = redis.Redis.from_url(service_settings.redis_url).lindex(_default_level_key(), 0)
     assert job["id"].encode() in raw and b"lazy dog" not in raw
 
 

@@ -93,12 +93,12 @@ def test_a_run_taken_away_cannot_record_its_result(fast_reaper: Settings, auth_h
 def test_a_queued_job_the_broker_lost_is_reenqueued_once(fast_reaper: Settings, auth_headers: dict[str, str]) -> None:
     lost, kept = _submit(fast_reaper, auth_headers), _submit(fast_reaper, auth_headers)
     client = streams.redis_client()
-    broker_queue = queue.broker_queue_key(queue.JOBS_QUEUE)
-    client.delete(broker_queue)
-    queue.enqueue_job(kept)
+    broker_lists = queue.broker_queue_keys(queue.JOBS_QUEUE)
+    client.delete(*broker_lists)
+    queue.enqueue_job(kept, priority=-1000)  # a message on another level than the default is found too
     for job_id in (lost, kept):
         _set(job_id, created_at=utcnow() - timedelta(hours=1))
     with session_factory()() as session:
         assert reenqueue_lost_jobs(session) == [lost]
         assert reenqueue_lost_jobs(session) == []
-    assert client.llen(broker_queue) == 2
+    assert sum(client.llen(key) for key in broker_lists) == 2
