@@ -51,7 +51,7 @@ def broker_level(priority: int) -> int:
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings: late acks so a crashed worker's job is redelivered, one prefetch per free slot."""
     transport = {
-        "visibility_timeout": 6 * 3600,  # BROKEN
+        "visibility_timeout": settings.broker_visibility_timeout_s,
         "global_keyprefix": broker_key_prefix(settings),
         "unacked_restore_interval": 5,
         # one list per level; BRPOP polls level-major across queues, so levels order jobs and webhooks alike

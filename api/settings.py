@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="a worker silent this long is dead; its jobs are requeued")
     reaper_interval_s: float = Field(3.0, gt=0, description="how often a worker looks for dead workers' and lost jobs")
     reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
+    # Longer than any job may run: a message is redelivered after this long even while its worker still runs
+    # it (the runner then refuses the second claim while the holder's heartbeat is alive).
+    broker_visibility_timeout_s: float = Field(
+        6 * 3600.0, gt=0, description="a job message taken by a worker that died unacknowledged is redelivered after this long")
     rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
     max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
     batch_priority: int = Field(500, ge=-1000, le=1000, description="priority of Batch API jobs (lower runs "
