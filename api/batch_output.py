@@ -15,7 +15,9 @@ from api.openai_responses import response_body
 from api.openai_schemas import served_model_id
 
 
-def _result(request: BatchRequest, job: Job | None, endpoint: str) -> tuple[bool, dict[str, Any]]:
+def _result(
+    request: BatchRequest, job: Job | None, endpoint: str, cancelled: dict[str, str]
+) -> tuple[bool, dict[str, Any]]:
     """(succeeded, output line) of one request line."""
     line: dict[str, Any] = {"id": f"batch_req_{request.id}", "custom_id": request.custom_id}
     if request.error is not None:
@@ -27,20 +29,23 @@ def _result(request: BatchRequest, job: Job | None, endpoint: str) -> tuple[bool
         response = {"status_code": 200, "request_id": job.id, "body": response_body(job, served_model_id(), endpoint)}
         return True, {**line, "response": response, "error": None}
     if job.status is JobStatus.cancelled:
-        return False, {**line, "response": None, "error": {"code": "batch_cancelled", "message": problem.message}}
+        return False, {**line, "response": None, "error": cancelled}
     body = {"error": error_object(problem.status_code, problem.message, None)}
     return False, {**line, "response": {"status_code": problem.status_code, "request_id": job.id, "body": body},
                    "error": None}
 
 
-def output_files(session: Session, batch: Batch) -> tuple[bytes, bytes]:
-    """(output JSONL, error JSONL) of a batch whose jobs are all final, in input line order."""
+def output_files(session: Session, batch: Batch, cancelled: dict[str, str]) -> tuple[bytes, bytes]:
+    """(output JSONL, error JSONL) of a batch whose jobs are all final, in input line order.
+
+    `cancelled` is the error ({code, message}) of a line whose job was cancelled: by the batch's cancel, or its expiry.
+    """
     rows = session.execute(
         select(BatchRequest, Job).outerjoin(Job, BatchRequest.job_id == Job.id)
         .where(BatchRequest.batch_id == batch.id).order_by(BatchRequest.line_number)
     ).all()
     outputs, errors = [], []
     for request, job in rows:
-        succeeded, line = _result(request, job, batch.endpoint)
+        succeeded, line = _result(request, job, batch.endpoint, cancelled)
         (outputs if succeeded else errors).append(json.dumps(line) + "\n")
     return "".join(outputs).encode(), "".join(errors).encode()

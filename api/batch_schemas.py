@@ -65,11 +65,11 @@ class BatchObject(BaseModel):
     error_file_id: str | None
     created_at: int
     in_progress_at: int | None
-    expires_at: int | None = None
-    finalizing_at: int | None = None
+    expires_at: int | None
+    finalizing_at: int | None
     completed_at: int | None
     failed_at: int | None
-    expired_at: int | None = None
+    expired_at: int | None
     cancelling_at: int | None
     cancelled_at: int | None
     request_counts: dict[str, int]
@@ -84,7 +84,9 @@ class BatchObject(BaseModel):
             completion_window=batch.completion_window, status=batch.status.value,
             output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
             created_at=_unix(batch.created_at) or 0, in_progress_at=_unix(batch.in_progress_at),
+            expires_at=_unix(batch.expires_at), finalizing_at=_unix(batch.finalizing_at),
             completed_at=_unix(batch.completed_at), failed_at=_unix(batch.failed_at),
+            expired_at=_unix(batch.expired_at),
             cancelling_at=_unix(batch.cancelling_at), cancelled_at=_unix(batch.cancelled_at),
             request_counts=request_counts, metadata=batch.metadata_,
         )

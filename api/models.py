@@ -161,11 +161,14 @@ class WebhookAttempt(Base):
 
 
 class BatchStatus(str, enum.Enum):
-    """Lifecycle of an OpenAI batch: in_progress → completed, cancelling → cancelled, or failed (malformed input)."""
+    """OpenAI's batch states: validating → in_progress → finalizing → completed, or failed, expired, cancelled."""
 
+    validating = "validating"
     failed = "failed"
     in_progress = "in_progress"
+    finalizing = "finalizing"
     completed = "completed"
+    expired = "expired"
     cancelling = "cancelling"
     cancelled = "cancelled"
 
@@ -209,6 +212,9 @@ class Batch(Base):
     cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # None: made before windows were kept
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class BatchRequest(Base):
@@ -221,5 +227,5 @@ class BatchRequest(Base):
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"))
     line_number: Mapped[int] = mapped_column(Integer)
     custom_id: Mapped[str] = mapped_column(String(512))
-    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), index=True)  # a job's batch, when it ends
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON)

@@ -3,7 +3,8 @@
 The reaper puts jobs held by a dead worker (heartbeat expired) back on the queue; the reconciler
 re-enqueues queued jobs and pending webhook deliveries whose broker message was lost (Redis restarted
 empty, or the message sits unacked with a dead worker). A duplicate message is harmless: a job starts
-only through the compare-and-set claim, so at most one run of it is live.
+only through the compare-and-set claim, so at most one run of it is live. The pass also moves open
+batches on: it expires those past their completion window and finalizes those a worker did not.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from datetime import timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api import queue, streams
+from api import batches, queue, streams
 from api.db import session_factory
 from api.errors import log_event
 from api.lifecycle import transition
@@ -84,12 +85,13 @@ class Reaper:
         return False
 
     def run_once(self) -> dict[str, list[str]]:
-        """One pass: requeue dead workers' jobs, then re-enqueue lost jobs and deliveries; returns the ids."""
+        """One pass: requeue dead workers' jobs, re-enqueue lost jobs and deliveries, refresh batches; returns ids."""
         with session_factory()() as session:
             return {
                 "requeued": self.requeue_dead_workers_jobs(session),
                 "reenqueued": reenqueue_lost_jobs(session),
                 "redelivered": reenqueue_overdue_deliveries(session),
+                "batches": batches.refresh_open_batches(session),  # expiries, and finalizations no worker made
             }
 
     def _dead_workers(self, worker_ids: set[str]) -> set[str]:
@@ -121,7 +123,7 @@ def reenqueue_lost_jobs(session: Session) -> list[str]:
     """Re-enqueue jobs queued longer than the grace period whose message is not in the broker's queue."""
     cutoff = utcnow() - timedelta(seconds=get_settings().reconcile_grace_s)
     stale = dict(session.execute(
-        select(Job.id, Job.priority).where(Job.status == JobStatus.queued, Job.created_at < cutoff)).tuples().all())
+        select(Job.id, Job.priority).where(Job.status == JobStatus.queued, Job.created_at < cutoff)).all())
     if not stale:
         return []
     lost = sorted(stale.keys() - _ready_job_ids())

@@ -6,6 +6,8 @@ import logging
 
 from celery import shared_task
 
+from api import batches
+from api.errors import log_event
 from api.lifecycle import transition
 from api.db import session_factory
 from api.models import JobStatus
@@ -27,6 +29,16 @@ def run_job(job_id: str) -> None:
         with session_factory()() as session:
             transition(session, job_id, JobStatus.failed, {JobStatus.running}, {"worker_id": heartbeat.worker_id()},
                        error=f"internal error: {exc!r}")
+    _refresh_batch_of(job_id)
+
+
+def _refresh_batch_of(job_id: str) -> None:
+    """Finalize the job's batch if this was its last job, so a batch completes without being read."""
+    try:
+        with session_factory()() as session:
+            batches.refresh_batch_of_job(session, job_id)
+    except Exception as exc:  # the job's result is recorded; the reaper's pass finalizes the batch instead
+        log_event(logger, "batch.refresh_failed", job_id=job_id, error=repr(exc))
 
 
 @shared_task(name=DELIVER_WEBHOOK_TASK)

@@ -10,6 +10,10 @@ import pytest
 from openai.types import Batch
 from tests.service.procs import wait_until
 
+from api.db import session_factory
+from api.models import Batch as StoredBatch
+from api.models import BatchStatus
+
 
 @pytest.fixture(scope="module")
 def database_url(postgresql_url: str) -> str:
@@ -57,6 +61,20 @@ def test_a_batch_of_120_lines_completes_with_one_result_per_custom_id(openai_cli
         assert result["response"]["status_code"] == 200 and body["object"] == "chat.completion"
         assert body["usage"]["completion_tokens"] <= 2 and body["choices"][0]["message"]["role"] == "assistant"
     assert openai_client.batches.list().data[0].id == batch.id
+
+
+def _stored_status(batch_id: str) -> BatchStatus:
+    """The batch's state in the store, read without the API (whose reads also move a batch on)."""
+    with session_factory()() as session:
+        batch = session.get(StoredBatch, batch_id)
+        assert batch is not None
+        return batch.status
+
+
+def test_a_batch_completes_in_the_background_without_being_read(openai_client: openai.OpenAI) -> None:
+    model = openai_client.models.list().data[0].id
+    batch = _create_batch(openai_client, [_chat_line(model, i, max_tokens=2) for i in range(5)])
+    wait_until(lambda: _stored_status(batch.id) is BatchStatus.completed, 90, f"batch {batch.id} to complete")
 
 
 def test_lines_whose_body_is_invalid_go_to_the_error_file(openai_client: openai.OpenAI) -> None:
