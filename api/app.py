@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI
 
-from api.errors import install_error_handlers
+from api.errors import configure_logging, install_error_handlers
 from api.limits import UPLOAD_OVERHEAD_BYTES, BodySizeLimit
 from api.metrics import HttpLatencyMiddleware
 from api.routes import events, health, jobs
@@ -37,5 +35,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes,
                        path_limits={"/v1/files": limits.max_file_bytes + UPLOAD_OVERHEAD_BYTES})
     app.add_middleware(HttpLatencyMiddleware)
-    logging.getLogger("pagedserve").setLevel(logging.INFO)
+    configure_logging(limits.log_format)  # also under `uvicorn --factory`, where no pagedserve command ran first
     return app

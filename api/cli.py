@@ -79,9 +79,14 @@ def cmd_worker(settings: Settings, _args: argparse.Namespace) -> None:
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> None:
     """Migrate the job store to a revision (default: head)."""
+    from alembic.util import CommandError
+
     from api import migrate
 
-    migrate.upgrade(settings.resolved_database_url(), args.revision)
+    try:
+        migrate.upgrade(settings.resolved_database_url(), args.revision)
+    except CommandError as exc:  # an unknown or unreachable revision
+        sys.exit(f"pagedserve migrate: --revision {args.revision}: {exc}")
     print(f"job store at revision {args.revision}")
 
 

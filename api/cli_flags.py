@@ -20,13 +20,14 @@ _CLIENT_SETTINGS = ("host", "port", "data_dir")
 API_ONLY = frozenset({
     "host", "port", "chat_template", "served_model_name", "max_body_bytes", "max_file_bytes", "max_batch_lines",
     "max_files_per_key", "max_file_storage_bytes_per_key", "openai_timeout_s", "rate_limit_per_s",
-    "max_inflight_jobs_per_key",
+    "max_inflight_jobs_per_key", "readyz_require_worker",
 })
 WORKER_ONLY = frozenset({
     "cache_dir", "metrics_port", "metrics_host", "dtype", "kv_cache_memory", "swap_space", "max_num_seqs",
     "block_size", "preemption_mode", "attention_backend", "num_threads", "cpu_weight_packing",
     "gpu_memory_utilization", "max_num_batched_tokens", "enable_prefix_caching", "seed", "webhook_max_attempts",
-    "webhook_backoff_s", "webhook_timeout_s", "reaper_interval_s", "reconcile_grace_s",
+    "webhook_backoff_s", "webhook_timeout_s", "reaper_interval_s", "reconcile_grace_s", "engine_stall_timeout_s",
+    "shutdown_grace_s",
 })
 _METAVARS: dict[Any, str] = {int: "INT", float: "FLOAT", str: "TEXT", Path: "PATH", ByteSize: "BYTES"}
 

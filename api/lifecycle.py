@@ -9,7 +9,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from api import queue, streams
-from api.metrics import JOBS_FINISHED, JOBS_SUBMITTED
+from api.metrics import JOBS_FINISHED, JOBS_SUBMITTED, record_job_latencies
 from api.errors import log_event
 from api.models import Job, JobStatus, WebhookDelivery, utcnow
 
@@ -51,6 +51,7 @@ def _after_transition(job: Job, delivery: WebhookDelivery | None) -> None:
     if not job.status.is_final:
         return
     JOBS_FINISHED.labels(job.status.value).inc()
+    record_job_latencies(job)
     try:
         streams.publish_final(streams.redis_client(), job.id, job.status.value)
         if delivery is not None:

@@ -15,7 +15,7 @@ from api.db import session_factory
 from api.errors import log_event
 from api.lifecycle import transition
 from api.models import Job, JobStatus, utcnow
-from worker import heartbeat
+from worker import drain, heartbeat
 from worker.engine_service import EngineService
 
 logger = logging.getLogger("pagedserve.worker")
@@ -119,6 +119,10 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
             if redis.exists(streams.cancel_key(job_id)):
                 service.abort(request_id)
                 log_event(logger, "job.aborted", job_id=job_id, request_id=request_id)
+                return
+            if drain.overdue():  # shutting down and out of grace: another worker runs it from the start
+                service.abort(request_id)
+                drain.requeue(job)
                 return
             next_cancel_check = time.monotonic() + CANCEL_POLL_S
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from celery.exceptions import Reject
 
 from api import batches
 from api.errors import log_event
@@ -12,7 +13,7 @@ from api.lifecycle import transition
 from api.db import session_factory
 from api.models import JobStatus
 from api.queue import DELIVER_WEBHOOK_TASK, RUN_JOB_TASK
-from worker import heartbeat, webhooks
+from worker import drain, heartbeat, webhooks
 from worker.runner import run_job as run_job_in_engine
 from worker.service import engine_service, sampling_params_class
 
@@ -22,6 +23,8 @@ logger = logging.getLogger("pagedserve.worker")
 @shared_task(name=RUN_JOB_TASK)
 def run_job(job_id: str) -> None:
     """Run one job in this process's engine service."""
+    if drain.draining():  # a message taken while draining goes back to the broker untouched, for another worker
+        raise Reject("worker shutting down", requeue=True)
     try:
         run_job_in_engine(job_id, engine_service(), sampling_params_class())
     except Exception as exc:  # record the failure rather than leave the job running forever

@@ -11,6 +11,8 @@ from sqlalchemy import text
 
 from api import streams
 from api.db import session_factory
+from api.settings import get_settings
+from worker import heartbeat
 
 router = APIRouter(tags=["health"])
 logger = logging.getLogger("pagedserve.api")
@@ -43,10 +45,18 @@ def _ping_database() -> None:
         session.execute(text("SELECT 1"))
 
 
+def _require_live_worker() -> None:
+    model = get_settings().model
+    if not heartbeat.live_workers(model):
+        raise LookupError(f"no worker for {model} has a fresh heartbeat")
+
+
 @router.get("/readyz")
 def readyz() -> JSONResponse:
-    """Ready when the job store and Redis both answer (503 naming the one that does not)."""
+    """Ready when the job store and Redis answer, and a live worker serves the model if so configured (else 503)."""
     checks = {"database": _check("database", _ping_database),
               "redis": _check("redis", lambda: streams.redis_client().ping())}
+    if get_settings().readyz_require_worker:
+        checks["worker"] = _check("worker", _require_live_worker)
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"status": "ok" if ready else "unavailable", **checks}, status_code=200 if ready else 503)
