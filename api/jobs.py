@@ -21,6 +21,8 @@ from api.schemas import JobCreate
 from api.settings import get_settings
 from api.webhook_urls import check_webhook_url
 
+MAX_BULK_IDS = 500  # jobs one GET /v1/jobs?ids=... reads, as many as its largest page
+
 
 def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
     """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context."""
@@ -107,6 +109,21 @@ def get_job(session: Session, key: ApiKey, job_id: str) -> Job:
     if job is None or job.api_key_id != key.id:
         raise ApiError(404, f"job {job_id} not found", "job_id")
     return job
+
+
+def get_jobs(session: Session, key: ApiKey, ids: str) -> list[Job]:
+    """The caller's jobs named by comma-separated ids, in that order; 422 past MAX_BULK_IDS, 404 naming unknown ids."""
+    job_ids = list(dict.fromkeys(part.strip() for part in ids.split(",")))
+    if not all(job_ids) or any("\x00" in job_id for job_id in job_ids):  # PostgreSQL refuses NUL
+        raise ApiError(422, "ids must be job ids separated by commas, without empty entries", "ids")
+    if len(job_ids) > MAX_BULK_IDS:
+        raise ApiError(422, f"ids names at most {MAX_BULK_IDS} jobs, got {len(job_ids)}", "ids")
+    found = {job.id: job for job in session.scalars(
+        select(Job).where(Job.id.in_(job_ids), Job.api_key_id == key.id))}
+    missing = [job_id for job_id in job_ids if job_id not in found]
+    if missing:
+        raise ApiError(404, f"jobs not found: {', '.join(missing[:10])}", "ids")
+    return [found[job_id] for job_id in job_ids]
 
 
 def _encode_cursor(job: Job) -> str:

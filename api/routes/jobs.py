@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 
 from api import jobs
 from api.auth import CurrentKey, DbSession
+from api.errors import ApiError
 from api.models import JobStatus
 from api.schemas import JobBatchCreate, JobBatchOut, JobCreate, JobList, JobOut, WebhookDeliveryOut
 
@@ -43,8 +44,13 @@ def list_jobs(
     status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
+    ids: Annotated[str | None, Query(max_length=64 * jobs.MAX_BULK_IDS, description="comma-separated job ids")] = None,
 ) -> JobList:
-    """The caller's jobs, newest first, optionally filtered by status."""
+    """The caller's jobs, newest first, optionally filtered by status; with ids, exactly those jobs in that order."""
+    if ids is not None:  # a client polling many jobs at once, in one request
+        if status_filter is not None or cursor is not None:
+            raise ApiError(422, "ids cannot be combined with status or cursor", "ids")
+        return JobList(data=[JobOut.model_validate(job) for job in jobs.get_jobs(session, key, ids)], next_cursor=None)
     page, next_cursor = jobs.list_jobs(session, key, status_filter, limit, cursor)
     return JobList(data=[JobOut.model_validate(job) for job in page], next_cursor=next_cursor)
 
