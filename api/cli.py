@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -65,7 +64,8 @@ def cmd_api(settings: Settings, _args: argparse.Namespace) -> None:
 
     check_startup(settings, "api")
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    # log_config=None: uvicorn's records go to the root handler, in PAGEDSERVE_LOG_FORMAT
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info", log_config=None)
 
 
 def cmd_worker(settings: Settings, _args: argparse.Namespace) -> None:
@@ -171,15 +171,15 @@ def _all_subparsers(commands: argparse._SubParsersAction) -> list[argparse.Argum
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `pagedserve` console script."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    for noisy in ("alembic.runtime.plugins", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         settings = settings_from(args)
     except ValidationError as exc:
         parser.error(flag_errors(exc))
+    from api.errors import configure_logging
+
+    configure_logging(settings.log_format)
     args.handler(settings, args)
 
 
