@@ -68,6 +68,19 @@ def _all_generating(client: httpx.Client, job_ids: list[str]) -> bool:
     return all(client.get(f"/v1/jobs/{j}").json()["first_token_at"] for j in job_ids)
 
 
+def _sigterm_while_generating(
+    procs: ServiceProcesses, client: httpx.Client, grace_s: float, num_jobs: int
+) -> tuple[list[str], Settings]:
+    """Start a worker with this drain grace, SIGTERM it once all its jobs generate, and see it exit 0."""
+    worker, settings = _start_worker(procs, shutdown_grace_s=grace_s)
+    wait_until(lambda: _ready(client), 120, "the worker to be ready")
+    job_ids = _submit(client, LONG_JOB, count=num_jobs)
+    wait_until(lambda: _all_generating(client, job_ids), 90, "every job to be generating")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=120) == 0
+    return job_ids, settings
+
+
 def _wait_seconds(job: dict, since: str, until: str) -> float:
     return (datetime.fromisoformat(job[until]) - datetime.fromisoformat(job[since])).total_seconds()
 
@@ -115,12 +128,7 @@ def test_sigterm_lets_running_jobs_finish_within_the_grace_period(
     service_procs: ServiceProcesses, client: httpx.Client
 ) -> None:
     service_procs.stop_all_workers()
-    worker, settings = _start_worker(service_procs, shutdown_grace_s=120.0)
-    wait_until(lambda: _ready(client), 120, "the worker to be ready")
-    job_ids = _submit(client, LONG_JOB, count=4)
-    wait_until(lambda: _all_generating(client, job_ids), 90, "every job to be generating")
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(timeout=120) == 0
+    job_ids, settings = _sigterm_while_generating(service_procs, client, grace_s=120.0, num_jobs=4)
     finals = [client.get(f"/v1/jobs/{j}").json() for j in job_ids]
     assert [(job["status"], job["attempts"]) for job in finals] == [("succeeded", 1)] * len(job_ids)
     assert all(len(job["choices"][0]["token_ids"]) == LONG_JOB["max_tokens"] for job in finals)
@@ -132,12 +140,7 @@ def test_sigterm_lets_running_jobs_finish_within_the_grace_period(
 def test_sigterm_requeues_jobs_still_running_after_the_grace_period(
     service_procs: ServiceProcesses, client: httpx.Client
 ) -> None:
-    worker, _ = _start_worker(service_procs, shutdown_grace_s=0.0)
-    wait_until(lambda: _ready(client), 120, "the worker to be ready")
-    job_ids = _submit(client, LONG_JOB, count=16)
-    wait_until(lambda: _all_generating(client, job_ids), 90, "every job to be generating")
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(timeout=120) == 0
+    job_ids, _ = _sigterm_while_generating(service_procs, client, grace_s=0.0, num_jobs=16)
     after_drain = {j: client.get(f"/v1/jobs/{j}").json() for j in job_ids}
     requeued = {j for j, job in after_drain.items() if job["status"] == "queued"}
     assert requeued and {job["status"] for job in after_drain.values()} <= {"queued", "succeeded"}
