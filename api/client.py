@@ -1,12 +1,20 @@
-"""Client commands of `pagedserve`: submit one prompt, or a JSONL file of jobs with a progress bar."""
+"""Client commands of `pagedserve`: submit one prompt, or a JSONL file of jobs with a progress bar.
+
+submit-file sends lines to POST /v1/jobs/batch in chunks and reads states with GET /v1/jobs?ids=...,
+many jobs per request; 429 and 503 are retried after their Retry-After, and --state makes it resumable.
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
 import time
+from contextlib import nullcontext
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +22,12 @@ import httpx
 
 from api.settings import Settings
 
-BATCH_SIZE = 100
+CHUNK_LINES = 100  # lines per POST /v1/jobs/batch
+POLL_IDS = 500  # jobs per GET /v1/jobs?ids=... (the API's most)
+POLL_INTERVAL_S = 0.5
 FINAL = {"succeeded", "failed", "cancelled"}
+RETRY_STATUSES = {429, 503}  # the API is busy or a dependency is down: the same request may succeed later
+MAX_BACKOFF_S = 30.0
 
 
 def _client(settings: Settings, args: argparse.Namespace) -> httpx.Client:
@@ -52,28 +64,128 @@ def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
         print(json.dumps(_check(client.get(f"/v1/jobs/{job['id']}")), indent=2), file=sys.stderr)
 
 
-def cmd_submit_file(settings: Settings, args: argparse.Namespace) -> None:
-    """Submit every line of a JSONL file as a job, wait for all with a progress bar, write the results as JSONL."""
+def _lines_of(path: str) -> list[str]:
+    """The non-blank lines of a JSONL file, each checked to be a JSON object (exits naming the first that is not)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, 1):
+        try:
+            if not isinstance(json.loads(line), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            sys.exit(f"{path}: line {number} is not a JSON object with a job: {exc}")
+    return lines
+
+
+def retry_delay_s(response: httpx.Response | None, attempt: int) -> float:
+    """How long to wait before retry `attempt` (0 first): Retry-After (seconds or an HTTP date), else a backoff."""
+    header = response.headers.get("Retry-After", "") if response is not None else ""
+    try:
+        return max(0.0, float(header))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, (parsedate_to_datetime(header) - datetime.now(timezone.utc)).total_seconds())
+    except (TypeError, ValueError):
+        return min(MAX_BACKOFF_S, 0.5 * 2**attempt)
+
+
+def send(client: httpx.Client, method: str, url: str, retry_for_s: float, **kwargs: Any) -> Any:
+    """The JSON answer of a request retried on 429, 503 and refused connections for up to retry_for_s seconds."""
+    deadline, attempt = time.monotonic() + retry_for_s, 0
+    while True:
+        response = None
+        try:
+            response = client.request(method, url, **kwargs)
+            if response.status_code not in RETRY_STATUSES:
+                return _check(response)
+            why = f"HTTP {response.status_code}"
+        except httpx.ConnectError as exc:  # nothing reached the API, so sending again cannot duplicate jobs
+            why = f"connection failed ({exc})"
+        delay = retry_delay_s(response, attempt)
+        if time.monotonic() + delay > deadline:
+            sys.exit(f"{method} {url}: still {why} after retrying for {retry_for_s:g} s")
+        print(f"{method} {url}: {why}; retrying in {delay:g} s", file=sys.stderr)
+        time.sleep(delay)
+        attempt += 1
+
+
+def _accepted_before(state_path: Path | None, lines: list[str]) -> list[str]:
+    """Job ids of the lines a previous run with this state file had accepted (a prefix of the file)."""
+    if state_path is None or not state_path.exists():
+        return []
+    try:
+        state = json.loads(state_path.read_text())
+        job_ids, recorded = [str(job_id) for job_id in state["job_ids"]], str(state["prefix_sha256"])
+    except (ValueError, KeyError, TypeError) as exc:
+        sys.exit(f"--state {state_path}: not a submit-file state file ({exc!r})")
+    if len(job_ids) > len(lines) or _prefix_digest(lines[:len(job_ids)]).hexdigest() != recorded:
+        sys.exit(f"--state {state_path}: the {len(job_ids)} lines it records as accepted are not the first lines "
+                 "of this file; give another --state (or delete it) to submit the file anew")
+    return job_ids
+
+
+def _prefix_digest(lines: list[str]) -> Any:
+    digest = hashlib.sha256()
+    for line in lines:
+        digest.update(line.encode() + b"\n")
+    return digest
+
+
+def _save_state(state_path: Path, digest: Any, job_ids: list[str]) -> None:
+    # written whole then renamed, so a crash leaves the previous state, never half of one
+    partial = state_path.with_name(state_path.name + ".partial")
+    partial.write_text(json.dumps({"prefix_sha256": digest.hexdigest(), "job_ids": job_ids}))
+    partial.replace(state_path)
+
+
+def _wait_all(client: httpx.Client, job_ids: list[str], retry_for_s: float) -> dict[str, dict[str, Any]]:
+    """Each job once final, read POLL_IDS jobs per request, with a progress bar."""
     from tqdm import tqdm
 
-    lines = [json.loads(line) for line in Path(args.path).read_text().splitlines() if line.strip()]
-    with _client(settings, args) as client:
-        ids: list[str] = []
-        for start in range(0, len(lines), BATCH_SIZE):
-            batch = _check(client.post("/v1/jobs/batch", json={"jobs": lines[start:start + BATCH_SIZE]}))
-            ids += [job["id"] for job in batch["data"]]
-        results: dict[str, dict[str, Any]] = {}
-        with tqdm(total=len(ids), desc="jobs", unit="job", file=sys.stderr) as bar:
-            while len(results) < len(ids):
-                for job_id in [i for i in ids if i not in results]:
-                    job = _check(client.get(f"/v1/jobs/{job_id}"))
+    results: dict[str, dict[str, Any]] = {}
+    with tqdm(total=len(job_ids), desc="jobs", unit="job", file=sys.stderr) as bar:
+        while True:
+            pending = [job_id for job_id in job_ids if job_id not in results]
+            for start in range(0, len(pending), POLL_IDS):
+                ids = ",".join(pending[start:start + POLL_IDS])
+                for job in send(client, "GET", "/v1/jobs", retry_for_s, params={"ids": ids})["data"]:
                     if job["status"] in FINAL:
-                        results[job_id] = job
+                        results[job["id"]] = job
                         bar.update(1)
-                time.sleep(0.5)
-    out = open(args.output, "w") if args.output else sys.stdout
-    for job_id in ids:
-        out.write(json.dumps(results[job_id]) + "\n")
+            if len(results) == len(job_ids):
+                return results
+            time.sleep(POLL_INTERVAL_S)
+
+
+def cmd_submit_file(settings: Settings, args: argparse.Namespace) -> None:
+    """Submit every line of a JSONL file as a job (resumably with --state), wait for all, write results as JSONL."""
+    lines = _lines_of(args.path)
+    state_path = Path(args.state) if args.state else None
+    job_ids = _accepted_before(state_path, lines)
+    if job_ids:
+        print(f"resuming: {len(job_ids)} of {len(lines)} lines were accepted by an earlier run", file=sys.stderr)
+    digest = _prefix_digest(lines[:len(job_ids)])
+    with _client(settings, args) as client:
+        # a chunk is accepted all or none, in file order, so the accepted lines are always a prefix of the file
+        for start in range(len(job_ids), len(lines), CHUNK_LINES):
+            chunk = lines[start:start + CHUNK_LINES]
+            accepted = send(client, "POST", "/v1/jobs/batch", args.retry_for,
+                            json={"jobs": [json.loads(line) for line in chunk]})
+            job_ids += [job["id"] for job in accepted["data"]]
+            digest.update("".join(line + "\n" for line in chunk).encode())
+            if state_path is not None:
+                _save_state(state_path, digest, job_ids)
+        results = _wait_all(client, job_ids, args.retry_for)
+    with open(args.output, "w") if args.output else nullcontext(sys.stdout) as out:
+        for job_id in job_ids:
+            out.write(json.dumps(results[job_id]) + "\n")
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
 
 
 def add_client_commands(commands: argparse._SubParsersAction) -> None:
@@ -87,6 +199,9 @@ def add_client_commands(commands: argparse._SubParsersAction) -> None:
     submit_file = commands.add_parser("submit-file", help=cmd_submit_file.__doc__)
     submit_file.add_argument("path", help="JSONL file, one POST /v1/jobs body per line")
     submit_file.add_argument("--output", help="where to write the final jobs as JSONL (default: stdout)")
+    submit_file.add_argument("--state", help="file recording the lines accepted so far; a rerun with it resumes")
+    submit_file.add_argument("--retry-for", type=_positive_seconds, default=600.0, metavar="SECONDS",
+                             help="keep retrying a request answered 429/503 or refused this long (default: 600)")
     submit_file.set_defaults(handler=cmd_submit_file)
     for sub in (submit, submit_file):
         sub.add_argument("--api-url", help="API base URL (default: http://HOST:PORT from the settings)")
