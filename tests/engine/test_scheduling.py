@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from tests.engine.hf_reference import hf_beam
