@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -114,15 +115,25 @@ def test_a_bad_flag_value_fails_at_startup_naming_the_flag(
     assert flag in _refused(capsys, *argv)
 
 
+@pytest.fixture
+def busy_port() -> Iterator[str]:
+    """A port something listens on: an API that got past its startup checks fails to bind it instead of serving."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield str(server.getsockname()[1])
+
+
 def test_a_context_longer_than_the_models_fails_at_startup(
-    capsys: pytest.CaptureFixture[str], api_model_dir: Path
+    capsys: pytest.CaptureFixture[str], api_model_dir: Path, busy_port: str
 ) -> None:
-    message = _refused(capsys, "api", "--model", str(api_model_dir), "--max-model-len", "4096")
+    message = _refused(capsys, "api", "--model", str(api_model_dir), "--max-model-len", "4096", "--port", busy_port)
     assert "--max-model-len" in message and "128" in message
 
 
-def test_a_broken_chat_template_fails_at_startup(capsys: pytest.CaptureFixture[str], api_model_dir: Path) -> None:
-    message = _refused(capsys, "api", "--model", str(api_model_dir), "--chat-template", "{% for m in %}")
+def test_a_broken_chat_template_fails_at_startup(
+    capsys: pytest.CaptureFixture[str], api_model_dir: Path, busy_port: str
+) -> None:
+    message = _refused(capsys, "api", "--model", str(api_model_dir), "--chat-template", "{% for m in %}",
+                       "--port", busy_port)
     assert "--chat-template" in message
 
 
@@ -135,10 +146,11 @@ def test_a_chat_template_file_replaces_the_models(tmp_path: Path, api_model_dir:
     assert prompt_model().render_chat([{"role": "user", "content": "the fox"}]) == "the fox"
 
 
-def test_an_engine_limit_fails_the_worker_at_startup(capsys: pytest.CaptureFixture[str], tiny_model_dir: Path) -> None:
-    message = _refused(capsys, "worker", "--model", str(tiny_model_dir), "--max-num-seqs", "16",
-                       "--max-num-batched-tokens", "8")
-    assert "max_num_batched_tokens" in message
+def test_an_engine_limit_fails_the_worker_at_startup(tiny_model_dir: Path) -> None:
+    settings = _settings("worker", "--model", str(tiny_model_dir), "--max-num-seqs", "16",
+                         "--max-num-batched-tokens", "8")
+    with pytest.raises(SystemExit, match="max_num_batched_tokens"):
+        cli.check_startup(settings, "worker")
 
 
 def test_served_model_names_travel_as_json(tiny_model_dir: Path) -> None:

@@ -23,8 +23,8 @@ def database_url(sqlite_url: str) -> str:
 
 @pytest.fixture(scope="module")
 def service_settings(service_settings: Settings) -> Iterator[Settings]:
-    """The module's settings with two served model names."""
-    aliased = service_settings.model_copy(update={"served_model_name": ALIASES})
+    """The module's settings with two served model names; a request wrongly accepted times out (no worker) fast."""
+    aliased = service_settings.model_copy(update={"served_model_name": ALIASES, "openai_timeout_s": 2.0})
     configure(aliased)
     yield aliased
     configure(service_settings)
