@@ -24,7 +24,7 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses={200: {"description": "the process is up (empty body)"}})
 def health() -> Response:
     """vLLM's liveness probe: 200 with an empty body while the process is up."""
     return Response(status_code=200)
