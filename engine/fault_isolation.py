@@ -95,7 +95,8 @@ class StepCheckpoint:
     @classmethod
     def capture(cls, groups: list[SequenceGroup]) -> StepCheckpoint:
         """Checkpoint ``groups`` (a generator shared by several is captured once)."""
-        generators = {id(g.generator): g.generator for g in groups if g.generator is not None}
+        sources = [g.generator for g in groups] + [seq.generator for g in groups for seq in g.seqs]
+        generators = {id(gen): gen for gen in sources if gen is not None}
         return cls([_GroupState.capture(g) for g in groups], [(g, g.get_state()) for g in generators.values()])
 
     def roll_back(self, scheduler: Scheduler) -> None:

@@ -192,7 +192,7 @@ class LLMEngine:
         suppressed: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
             suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-        return SamplingRow(params, group.generator, seq.token_ids, seq.prompt_len, suppressed)
+        return SamplingRow(params, seq.generator or group.generator, seq.token_ids, seq.prompt_len, suppressed)
 
     def _append_samples(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> None:
         row_of_logits: list[int] = []
@@ -206,9 +206,8 @@ class LLMEngine:
             seqs = [seq]
             if group.awaits_fork:  # the prompt is computed once; n samples share its blocks
                 for _ in range(group.params.n - 1):
-                    child = seq.fork()
+                    child = group.add_sample(seq)
                     self.block_manager.fork(seq, child)
-                    group.seqs.append(child)
                     seqs.append(child)
             for target in seqs:
                 row_of_logits.append(i)

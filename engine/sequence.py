@@ -39,6 +39,7 @@ class Sequence:
     read_offset: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    generator: torch.Generator | None = None  # a seeded request's 2nd..nth sample draws from its own
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +136,16 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         """True when every sequence is finished."""
         return all(seq.is_finished for seq in self.seqs)
+
+    def add_sample(self, parent: Sequence) -> Sequence:
+        """Fork ``parent`` into this ``n > 1`` request's next sample. A seeded sample gets its own
+        generator, so its draws never depend on when its siblings are scheduled (after a recompute,
+        they may catch up in different steps)."""
+        child = parent.fork()
+        if self.params.seed is not None:
+            child.generator = torch.Generator().manual_seed(hash((self.params.seed, len(self.seqs))) % 2**63)
+        self.seqs.append(child)
+        return child
 
     def finish(self, reason: str, now: float) -> None:
         """End every unfinished sequence with ``reason`` (an abort or an error)."""

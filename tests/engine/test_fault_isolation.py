@@ -60,10 +60,22 @@ def llm(tiny_model_dir: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def baseline(llm: LLM) -> dict[str, list[list[int]]]:
+def small_budget_llm(tiny_model_dir: Path) -> LLM:
+    """Prefills chunked 16 tokens a step, so a request's samples recompute in different steps."""
+    return LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", seed=1,
+               max_num_batched_tokens=16, max_num_seqs=8)
+
+
+def victim_tokens(llm: LLM) -> dict[str, list[list[int]]]:
     """Each victim's tokens in a run without the faulty request."""
     outputs = llm.generate([p for p, _ in VICTIMS.values()], [s for _, s in VICTIMS.values()], use_tqdm=False)
     return {name: [c.token_ids for c in out.outputs] for name, out in zip(VICTIMS, outputs)}
+
+
+@pytest.fixture(scope="module")
+def baseline(llm: LLM) -> dict[str, list[list[int]]]:
+    """Each victim's tokens in a run without the faulty request."""
+    return victim_tokens(llm)
 
 
 def unused_token(llm: LLM, baseline: dict[str, list[list[int]]]) -> int:
@@ -102,9 +114,7 @@ def run_with_faulty_request(llm: LLM, faulty_prompt: list[int], steps_before: in
     raise AssertionError("the engine did not finish")
 
 
-@pytest.mark.parametrize("site", ["forward", "detokenize"])
-@pytest.mark.parametrize("steps_before", [0, 3])
-def test_only_the_request_that_makes_a_step_raise_fails(
+def assert_only_the_faulty_request_fails(
     llm: LLM, baseline: dict[str, list[list[int]]], site: str, steps_before: int,
 ) -> None:
     poison = unused_token(llm, baseline)
@@ -119,6 +129,18 @@ def test_only_the_request_that_makes_a_step_raise_fails(
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
     assert llm.engine.isolator.num_failed_requests >= 1
+
+
+@pytest.mark.parametrize("site", ["forward", "detokenize"])
+@pytest.mark.parametrize("steps_before", [0, 3])
+def test_only_the_request_that_makes_a_step_raise_fails(
+    llm: LLM, baseline: dict[str, list[list[int]]], site: str, steps_before: int,
+) -> None:
+    assert_only_the_faulty_request_fails(llm, baseline, site, steps_before)
+
+
+def test_seeded_samples_keep_their_tokens_when_they_recompute_in_different_steps(small_budget_llm: LLM) -> None:
+    assert_only_the_faulty_request_fails(small_budget_llm, victim_tokens(small_budget_llm), "detokenize", 2)
 
 
 def test_a_step_that_raises_for_every_request_fails_each_and_the_engine_still_serves(llm: LLM) -> None:
