@@ -39,7 +39,7 @@ def database_url(sqlite_url: str) -> str:
 def service_settings(service_settings: Settings) -> Settings:
     """The module's settings with a worker metrics port of its own and a KV budget tight enough to preempt."""
     return service_settings.model_copy(update={"metrics_port": free_port(), "kv_cache_memory": "64KiB",
-                                               "swap_space": "1MiB", "preemption_mode": "swap"})
+                                               "swap_space": 1 << 20, "preemption_mode": "swap"})
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,8 @@ def scraped(live_api: str, service_settings: Settings, auth_headers: dict[str, s
 
 def grafana_to_promql(expr: str, rate_interval: str) -> str:
     """Substitute the Grafana variables the dashboards use, as Grafana would for a range covering the run."""
-    values = {"__rate_interval": rate_interval, "__range": rate_interval, "__interval": "1s", "instance": ".*"}
+    values = {"__rate_interval": rate_interval, "__range": rate_interval, "__interval": "1s", "instance": ".*",
+              "model_name": ".*"}
     promql = GRAFANA_VARIABLE.sub(lambda m: values[m.group(1) or m.group(2)], expr)
     assert "$" not in promql, promql
     return promql
