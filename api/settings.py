@@ -36,8 +36,11 @@ class Settings(BaseSettings):
     preemption_mode: Literal["swap", "recompute"] = Field("swap", description="how the engine preempts")
     attention_backend: Literal["triton", "torch"] | None = Field(None, description="attention implementation")
     num_threads: int | None = Field(None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
-    cpu_weight_packing: Literal["auto", "all", "off"] = Field(
-        "auto", description="oneDNN-prepacked weights on the CPU: auto = bf16 only (bit-identical), all = also fp32")
+    cpu_weight_packing: Literal["auto", "exact", "off"] = Field(
+        "auto", description="oneDNN-prepacked weights on the CPU: auto = fp32 and bf16 (fastest), exact = bf16 only "
+        "(tokens equal transformers')")
+    quantization: Literal["int8"] | None = Field(
+        None, description="int8 = int8 weights and activations in the linear layers (CPU; faster, small quality cost)")
     max_model_len: int | None = Field(None, ge=1, description="context length (default: the model's own)")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="fraction of the GPU's total memory for weights, activations and KV cache "

@@ -18,7 +18,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 PREEMPTION_MODES = ("swap", "recompute")
-WEIGHT_PACKING_MODES = ("auto", "all", "off")
+WEIGHT_PACKING_MODES = ("auto", "exact", "off")
+QUANTIZATION_MODES = ("int8",)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -86,9 +87,11 @@ class EngineConfig:
     # CPU threads for torch ops; None keeps torch's default. Fewer threads than cores help when
     # other busy processes share the machine (OpenMP waits on descheduled threads).
     num_threads: int | None = None
-    # oneDNN-prepacked linear weights on the CPU: "auto" packs bf16 (bit-identical to F.linear),
-    # "all" also fp32 (3-4x faster GEMMs, but not bit-identical to transformers' MKL path), "off"
+    # oneDNN-prepacked linear weights on the CPU: "auto" packs fp32 and bf16 (fastest; fp32 differs from
+    # transformers' MKL path by rounding), "exact" packs bf16 only (token-exact with transformers), "off"
     cpu_weight_packing: str = "auto"
+    # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); None: none
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
@@ -112,6 +115,10 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.cpu_weight_packing!r}"
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATION_MODES}, got {self.quantization!r}")
+        if self.quantization is not None and self.torch_device().type != "cpu":
+            raise ValueError(f"quantization={self.quantization!r} runs on the CPU only, got device {self.device!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -29,6 +29,7 @@ def engine_kwargs(settings: Settings) -> dict[str, Any]:
         "preemption_mode": settings.preemption_mode,
         "scheduling_policy": "priority",
         "cpu_weight_packing": settings.cpu_weight_packing,
+        "quantization": settings.quantization,
         "max_model_len": settings.max_model_len,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

@@ -11,6 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from engine.models.cpu_packing import pack_linear_layers, packing_applies
 from engine.models.llama import LlamaForCausalLM
+from engine.models.quantization import quantize_linear_layers
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 # fused parameter -> the checkpoint's separate projections, concatenated along the output dim
@@ -54,9 +55,11 @@ def _fuse(checkpoint: dict[str, torch.Tensor], num_layers: int) -> dict[str, tor
 
 def load_model(
     folder: Path, dtype: torch.dtype, device: torch.device, ops: ModuleType, weight_packing: str = "auto",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Instantiate the model on ``device`` in ``dtype`` with the folder's weights; linear weights are
-    prepacked as ``weight_packing`` (``EngineConfig.cpu_weight_packing``) says."""
+    """Instantiate the model on ``device`` in ``dtype`` with the folder's weights; linear layers are
+    quantized as ``quantization`` says (``EngineConfig.quantization``) and the others prepacked as
+    ``weight_packing`` (``EngineConfig.cpu_weight_packing``) says."""
     config = load_config(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops)
@@ -71,6 +74,8 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = type(model.rotary)(config, model.head_dim)  # buffers were built on meta
     model = model.to(device).eval()
+    if quantization == "int8":
+        quantize_linear_layers(model)
     if packing_applies(dtype, device, weight_packing):
         pack_linear_layers(model)
     return model

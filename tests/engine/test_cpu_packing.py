@@ -1,4 +1,5 @@
-"""Prepacked bf16 linear layers compute exactly what ``F.linear`` does, so the engine's tokens do not change."""
+"""Prepacked linear layers: bf16 computes exactly what ``F.linear`` does, fp32 (packed by default) within
+rounding of it, and the ``exact`` mode keeps fp32 on ``F.linear``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import numerics
 from engine import LLM, SamplingParams
 from engine.models import cpu_packing, loader
 
@@ -48,20 +50,36 @@ def test_bf16_engine_generates_the_same_tokens_with_and_without_packing(tiny_mod
     def generate(packing: str) -> list[list[int]]:
         llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="8MiB", cpu_weight_packing=packing)
         is_packed = isinstance(llm.engine.model.lm_head, cpu_packing.PackedLinear)
-        assert is_packed == (packing == "auto" and BF16_PACKS)
+        assert is_packed == (packing == "exact" and BF16_PACKS)
         return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
-    assert generate("auto") == generate("off")
+    assert generate("exact") == generate("off")
 
 
-def test_fp32_is_packed_only_when_asked_and_then_stays_within_rounding() -> None:
+def test_fp32_is_packed_by_default_and_not_in_exact_mode() -> None:
     cpu = torch.device("cpu")
-    assert not cpu_packing.packing_applies(torch.float32, cpu, "auto")
-    assert cpu_packing.packing_applies(torch.float32, cpu, "all")
+    assert cpu_packing.packing_applies(torch.float32, cpu) == torch.backends.mkldnn.is_available()
+    assert not cpu_packing.packing_applies(torch.float32, cpu, "exact")
+    assert not cpu_packing.packing_applies(torch.float32, cpu, "off")
+
+
+def test_packed_fp32_linear_stays_within_rounding_of_f_linear() -> None:
     linear = nn.Linear(96, 160, bias=False)
     hidden = torch.randn(5, 96)
     packed = cpu_packing.PackedLinear(linear.weight, None)
     torch.testing.assert_close(packed(hidden), F.linear(hidden, linear.weight), atol=1e-5, rtol=1e-5)
+
+
+def test_default_fp32_engine_keeps_the_exact_modes_log_probs_and_greedy_tokens(tiny_model_dir: Path) -> None:
+    mean, mean_abs = numerics.logprob_change(tiny_model_dir, "fp32-packed")
+    assert abs(mean) < 1e-5 and mean_abs < 1e-4
+
+    def generate(packing: str) -> list[list[int]]:
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", cpu_weight_packing=packing)
+        assert isinstance(llm.engine.model.lm_head, cpu_packing.PackedLinear) == (packing == "auto")
+        return numerics.greedy_tokens(llm, numerics.PROMPTS, 24)
+
+    assert numerics.agreement(generate("auto"), generate("exact")) == 1.0
 
 
 def test_an_unknown_packing_mode_names_the_argument(tiny_model_dir: Path) -> None:

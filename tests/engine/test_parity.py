@@ -1,4 +1,4 @@
-"""Greedy outputs match Hugging Face transformers' ``generate`` token for token (fp32)."""
+"""Greedy outputs match Hugging Face transformers' ``generate`` token for token (fp32, exact numerics)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ PROMPTS = [
 
 
 def engine_greedy(folder: Path, prompts: list[str], max_tokens: int, **engine_kwargs: object) -> tuple[list[list[int]], LLM]:
-    llm = LLM(model=str(folder), dtype="float32", **engine_kwargs)
+    # "exact" keeps fp32 weights on F.linear, the kernel transformers runs; the default packing rounds differently
+    llm = LLM(model=str(folder), dtype="float32", cpu_weight_packing="exact", **engine_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm

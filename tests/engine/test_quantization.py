@@ -1,0 +1,94 @@
+"""int8 linear layers: close to fp32 layer by layer, wired through the engine and the service settings,
+and within stated quality bounds on the real model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from api.settings import Settings
+from benchmarks import numerics
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.models import quantization
+from worker.service import engine_kwargs
+
+
+def test_quantized_weight_has_seven_bits_and_one_scale_per_output_row() -> None:
+    weight = torch.randn(48, 96)
+    qdata, scale = quantization.quantize_weight(weight)
+    assert qdata.dtype == torch.int8 and qdata.abs().max().item() == 63
+    assert scale.shape == (48,)
+    torch.testing.assert_close(qdata.float() * scale[:, None], weight, atol=scale.max().item() / 2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_stays_within_quantization_error_of_float_linear(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 300, bias=True).to(dtype)
+    hidden = torch.randn(5, 7, 576, dtype=dtype)  # any leading dims, as transformers' layers pass
+    expected = linear(hidden).detach().float()
+    got = quantization.Int8Linear(linear.weight, linear.bias)(hidden)
+    assert got.shape == expected.shape and got.dtype == dtype
+    got = got.float()
+    relative_error = ((got - expected).norm() / expected.norm()).item()
+    assert relative_error < 0.03
+
+
+def test_int8_linear_does_not_saturate_at_full_scale() -> None:
+    # every activation and weight at its largest: oneDNN's int16 pair sums overflow with 8-bit weights
+    layer = quantization.Int8Linear(torch.ones(8, 576), None)
+    torch.testing.assert_close(layer(torch.ones(3, 576)), torch.full((3, 8), 576.0), rtol=1e-4, atol=0)
+    torch.testing.assert_close(layer(-torch.ones(3, 576)), torch.full((3, 8), -576.0), rtol=1e-4, atol=0)
+
+
+def test_int8_engine_quantizes_every_decoder_linear_layer(tiny_model_dir: Path) -> None:
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", quantization="int8")
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, nn.Linear | quantization.Int8Linear)]
+    assert layers and all(isinstance(m, quantization.Int8Linear) for m in layers)
+    output = llm.generate("The quick brown fox", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(output[0].outputs[0].token_ids) == 8
+
+
+def test_an_unknown_quantization_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        EngineConfig(quantization="int4")
+
+
+def test_quantization_refuses_a_gpu_device() -> None:
+    with pytest.raises(ValueError, match="quantization='int8' runs on the CPU only"):
+        EngineConfig(device="cuda", quantization="int8")
+
+
+def test_service_setting_reaches_the_engine_and_bad_values_name_the_setting() -> None:
+    assert engine_kwargs(Settings(quantization="int8"))["quantization"] == "int8"
+    assert engine_kwargs(Settings())["quantization"] is None
+    with pytest.raises(ValidationError, match="quantization"):
+        Settings(quantization="int4")
+
+
+@pytest.fixture(scope="module")
+def smollm2_exact_greedy(smollm2_dir: Path) -> list[list[int]]:
+    llm = LLM(model=str(smollm2_dir), dtype="float32", kv_cache_memory="64MiB", cpu_weight_packing="exact")
+    return numerics.greedy_tokens(llm, numerics.PROMPTS, 24)
+
+
+# Bounds a little looser than measured (see BENCHMARKS.md / benchmarks/numerics.py for the numbers).
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variant", "max_mean_drop", "max_mean_abs", "min_agreement"),
+    [("fp32-packed", 1e-4, 1e-3, 0.9), ("int8", 0.1, 0.35, 0.3)],
+)
+def test_smollm2_quality_stays_within_bounds(
+    smollm2_dir: Path, smollm2_exact_greedy: list[list[int]], variant: str,
+    max_mean_drop: float, max_mean_abs: float, min_agreement: float,
+) -> None:
+    mean, mean_abs = numerics.logprob_change(smollm2_dir, variant)
+    assert mean > -max_mean_drop and mean_abs < max_mean_abs
+    llm = LLM(model=str(smollm2_dir), dtype="float32", kv_cache_memory="64MiB", **numerics.VARIANTS[variant])
+    agreement = numerics.agreement(numerics.greedy_tokens(llm, numerics.PROMPTS, 24), smollm2_exact_greedy)
+    assert agreement >= min_agreement
