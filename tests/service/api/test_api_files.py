@@ -141,3 +141,18 @@ def test_a_nul_character_in_a_file_or_batch_id_is_404(
     client: TestClient, auth_headers: dict[str, str], path: str
 ) -> None:
     assert client.get(path, headers=auth_headers).status_code == 404
+
+
+def test_a_batch_line_with_an_out_of_vocabulary_stop_id_is_refused_and_creates_no_job(
+    client: TestClient, new_auth_headers: Headers
+) -> None:
+    headers = new_auth_headers("batch-vocab")
+    body = {"model": _model_id(client, headers), "prompt": "Hi", "max_tokens": 2, "stop_token_ids": [10**9]}
+    line = {"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": body}
+    file_id = _upload(client, headers, json.dumps(line).encode()).json()["id"]
+    create = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    batch = client.post("/v1/batches", json=create, headers=headers).json()
+    assert batch["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    assert client.get("/v1/jobs", headers=headers).json()["data"] == []
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=headers).text
+    assert json.loads(errors)["response"]["body"]["error"]["param"] == "stop_token_ids"
