@@ -193,6 +193,12 @@ def test_add_request_refuses_what_the_model_cannot_run(llm: LLM, prompt: object,
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_add_request_refuses_a_priority_that_cannot_order_the_queues(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="priority"):
+        llm.engine.add_request("nan-priority", "Hi", SamplingParams(), priority=float("nan"))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_engine_limits_use_the_vocabulary_size_of_the_model_config(llm: LLM, tiny_model_dir: Path) -> None:
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert llm.engine.limits.vocab_size == config["vocab_size"] == VOCAB_SIZE
