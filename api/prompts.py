@@ -105,7 +105,8 @@ def _given_chat_template(value: str) -> str:
     try:
         ImmutableSandboxedEnvironment().parse(template)
     except TemplateError as exc:
-        raise ValueError(f"chat_template (--chat-template) is neither a file nor a valid Jinja template: {exc}") from exc
+        message = f"chat_template (--chat-template) is neither a file nor a valid Jinja template: {exc}"
+        raise ValueError(message) from exc
     return template
 
 

@@ -26,8 +26,8 @@ def default_kv_cache_bytes(device: torch.device, utilization: float) -> int:
             raise ValueError(f"gpu_memory_utilization {utilization} of {total} bytes leaves nothing for the KV cache "
                              f"after the {held} bytes this process holds; raise it")
         if budget > free:
-            raise ValueError(f"gpu_memory_utilization {utilization} asks for {budget} bytes of KV cache but only {free} "
-                             "are free (other processes hold the rest); lower it")
+            raise ValueError(f"gpu_memory_utilization {utilization} asks for {budget} bytes of KV cache but only "
+                             f"{free} are free (other processes hold the rest); lower it")
         return budget
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(available * 0.1)
