@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, field_serializer, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -50,7 +51,7 @@ class Settings(BaseSettings):
     seed: int = Field(0, ge=0, description="seed of the engine's sampler")
     tokenizer: Path | None = Field(None, description="local tokenizer folder (default: the model's)")
     chat_template: str | None = Field(None, description="chat template file or Jinja text (default: the model's)")
-    served_model_name: list[str] | None = Field(
+    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")
@@ -93,6 +94,14 @@ class Settings(BaseSettings):
     @field_serializer("swap_space", when_used="json")
     def _swap_space_with_unit(self, value: ByteSize) -> str:
         return f"{int(value)}B"  # a bare number would read back as GiB
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names_from_text(cls, value: Any) -> Any:
+        # the environment gives text: a JSON list (what `up` hands its children) or comma-separated names
+        if isinstance(value, str):
+            return json.loads(value) if value.lstrip().startswith("[") else [n.strip() for n in value.split(",")]
+        return value
 
     @field_validator("tokenizer")
     @classmethod

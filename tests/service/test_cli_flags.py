@@ -65,7 +65,7 @@ def test_help_shows_types_choices_and_defaults(capsys: pytest.CaptureFixture[str
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in text and "(default: 4.0GiB)" in text
 
 
-def test_every_setting_belongs_to_a_server_command() -> None:
+def test_the_api_only_and_worker_only_lists_name_distinct_settings() -> None:
     assert not API_ONLY & WORKER_ONLY
     assert (API_ONLY | WORKER_ONLY) <= set(Settings.model_fields)
 
@@ -156,3 +156,8 @@ def test_an_engine_limit_fails_the_worker_at_startup(tiny_model_dir: Path) -> No
 def test_served_model_names_travel_as_json(tiny_model_dir: Path) -> None:
     env = cli.settings_env(_settings("up", "--served-model-name", "a", "b c"))
     assert json.loads(env["PAGEDSERVE_SERVED_MODEL_NAME"]) == ["a", "b c"]
+
+
+def test_served_model_names_from_the_environment_may_be_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_SERVED_MODEL_NAME", "tiny, tiny-chat")
+    assert Settings().served_model_name == ["tiny", "tiny-chat"]
