@@ -92,8 +92,9 @@ class Settings(BaseSettings):
         return value
 
     @field_serializer("swap_space", when_used="json")
-    def _swap_space_with_unit(self, value: ByteSize) -> str:
-        return f"{int(value)}B"  # a bare number would read back as GiB
+    def _swap_space_with_unit(self, value: ByteSize | str) -> str:
+        # a bare number would read back as GiB; a str is what model_copy(update=...) left unvalidated
+        return f"{int(value)}B" if isinstance(value, int) else value
 
     @field_validator("served_model_name", mode="before")
     @classmethod

@@ -161,3 +161,9 @@ def test_served_model_names_travel_as_json(tiny_model_dir: Path) -> None:
 def test_served_model_names_from_the_environment_may_be_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_SERVED_MODEL_NAME", "tiny, tiny-chat")
     assert Settings().served_model_name == ["tiny", "tiny-chat"]
+
+
+def test_a_swap_space_set_by_model_copy_reaches_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    copied = Settings().model_copy(update={"swap_space": "1MiB"})  # model_copy does not validate
+    monkeypatch.setenv("PAGEDSERVE_SWAP_SPACE", cli.settings_env(copied)["PAGEDSERVE_SWAP_SPACE"])
+    assert Settings().swap_space == 1 << 20
