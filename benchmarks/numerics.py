@@ -150,6 +150,29 @@ def machine() -> str:
            f"{' '.join(present)}; {load}"
 
 
+def print_quality(folder: Path, llms: dict[str, LLM], max_tokens: int) -> None:
+    """Each fast variant's log-prob change on the fixed text and its greedy agreement with exact fp32."""
+    reference = greedy_tokens(llms["fp32-plain"], PROMPTS, max_tokens)
+    for name in ("fp32-packed", "int8"):
+        mean, mean_abs = logprob_change(folder, name)
+        agree = agreement(greedy_tokens(llms[name], PROMPTS, max_tokens), reference)
+        print(f"{name}: log-prob change vs exact fp32 mean {mean:+.4f}, mean |.| {mean_abs:.4f} nats/token; "
+              f"greedy agreement {agree:.3f} over {len(PROMPTS)} prompts x {max_tokens} tokens")
+
+
+def print_speed(llms: dict[str, LLM], rows: int, repeats: int) -> None:
+    """Paired minimum times (and ratios to fp32-plain) of the linear layers and of a decode step."""
+    linear = paired_min_s({name: linear_layers_run(llm, rows) for name, llm in llms.items()}, repeats)
+    decoding = {name: start_decoding(llm, rows) for name, llm in llms.items()}
+    step = paired_min_s({name: llm.engine.step for name, llm in llms.items()}, repeats)
+    for name, llm in llms.items():
+        stop_decoding(llm, decoding[name])
+    for label, times in (("linear layers", linear), ("decode step", step)):
+        base = times["fp32-plain"]
+        print(f"{rows:4d} rows {label}: " + ", ".join(
+            f"{name} {t * 1e3:.1f} ms ({base / t:.2f}x)" for name, t in times.items()), flush=True)
+
+
 def main() -> None:
     """Print the quality numbers, then the paired speed ratios."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -157,27 +180,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--speed-only", action="store_true", help="skip the quality numbers")
     args = parser.parse_args()
     folder = resolve_model(args.model)
-    print(f"machine: {machine()}")
-    llms = {name: LLM(model=str(folder), dtype="float32", kv_cache_memory="256MiB", **kwargs)
-            for name, kwargs in VARIANTS.items()}
-    reference = greedy_tokens(llms["fp32-plain"], PROMPTS, args.max_tokens)
-    for name in ("fp32-packed", "int8"):
-        mean, mean_abs = logprob_change(folder, name)
-        agree = agreement(greedy_tokens(llms[name], PROMPTS, args.max_tokens), reference)
-        print(f"{name}: log-prob change vs exact fp32 mean {mean:+.4f}, mean |.| {mean_abs:.4f} nats/token; "
-              f"greedy agreement {agree:.3f} over {len(PROMPTS)} prompts x {args.max_tokens} tokens")
+    print(f"machine: {machine()}", flush=True)
+    llms = {name: LLM(model=str(folder), dtype="float32", kv_cache_memory="256MiB", max_num_seqs=max(args.rows),
+                      **kwargs) for name, kwargs in VARIANTS.items()}
+    if not args.speed_only:
+        print_quality(folder, llms, args.max_tokens)
     for rows in args.rows:
-        linear = paired_min_s({name: linear_layers_run(llm, rows) for name, llm in llms.items()}, args.repeats)
-        decoding = {name: start_decoding(llm, rows) for name, llm in llms.items()}
-        step = paired_min_s({name: llm.engine.step for name, llm in llms.items()}, args.repeats)
-        for name, llm in llms.items():
-            stop_decoding(llm, decoding[name])
-        for label, times in (("linear layers", linear), ("decode step", step)):
-            base = times["fp32-plain"]
-            print(f"{rows:4d} rows {label}: " + ", ".join(
-                f"{name} {t * 1e3:.1f} ms ({base / t:.2f}x)" for name, t in times.items()))
+        print_speed(llms, rows, args.repeats)
 
 
 if __name__ == "__main__":
