@@ -46,7 +46,7 @@ class LLMEngine:
         folder = resolve_model(config.model)
         self.model_name = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or folder)
-        self.model = load_model(folder, self.dtype, self.device, self.ops, config.cpu_weight_packing)
+        self.model = load_model(folder, self.dtype, self.device, self.ops, config.cpu_weight_packing, config.quantization)
         model_config = self.model.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
