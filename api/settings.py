@@ -66,9 +66,6 @@ class Settings(BaseSettings):
     openai_timeout_s: float = Field(600.0, gt=0, description="wait for a non-streaming OpenAI job")
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="a worker silent this long is dead; its jobs are requeued")
     reaper_interval_s: float = Field(3.0, gt=0, description="how often a worker looks for dead workers' and lost jobs")
-    reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
-    # Longer than any job may run: a message is redelivered after this long even while its worker still runs
-    # it (the runner then refuses the second claim while the holder's heartbeat is alive).
     engine_stall_timeout_s: float = Field(
         120.0, gt=0, description="a worker whose engine holds work without stepping this long fails its healthcheck")
     readyz_require_worker: bool = Field(
@@ -76,6 +73,9 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM a worker finishes running jobs this long, then requeues the rest")
+    reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
+    # Longer than any job may run: a message is redelivered after this long even while its worker still runs
+    # it (the runner then refuses the second claim while the holder's heartbeat is alive).
     broker_visibility_timeout_s: float = Field(
         6 * 3600.0, gt=0, description="a job message taken by a worker that died unacknowledged is redelivered after this long")
     rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
