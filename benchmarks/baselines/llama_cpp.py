@@ -23,6 +23,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,6 +50,7 @@ CMAKE_OPTIONS = [
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
 ]
 HEALTH_TIMEOUT_S = 120.0
+GGUF_TYPES = ("f32", "bf16", "q8_0")  # convert_hf_to_gguf.py's --outtype values the benchmarks use
 WARMUP_PROMPT = list(range(1000, 1040))
 
 
@@ -155,18 +158,21 @@ def ensure_server(cache_dir: Path | None = None) -> Path:
     return binary
 
 
-def ensure_gguf(model_folder: Path, cache_dir: Path | None = None) -> Path:
-    """A BF16 GGUF of the Hugging Face ``model_folder``, converted once by llama.cpp's ``convert_hf_to_gguf.py``."""
+def ensure_gguf(model_folder: Path, cache_dir: Path | None = None, outtype: str = "bf16") -> Path:
+    """A GGUF (``outtype``: f32, bf16 or q8_0) of the Hugging Face ``model_folder``, converted once by llama.cpp's
+    ``convert_hf_to_gguf.py``."""
+    if outtype not in GGUF_TYPES:
+        raise ValueError(f"outtype must be one of {', '.join(GGUF_TYPES)}, got {outtype!r}")
     cache_dir = cache_dir or default_cache_dir()
     folder = model_folder.resolve()
     digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
-    gguf = cache_dir / "models" / f"{folder.name}-{digest}-bf16.gguf"
+    gguf = cache_dir / "models" / f"{folder.name}-{digest}-{outtype}.gguf"
     if gguf.is_file():
         return gguf
     script = ensure_source(cache_dir) / "convert_hf_to_gguf.py"
     gguf.parent.mkdir(parents=True, exist_ok=True)
     partial = gguf.with_suffix(".part")
-    _run_niced([sys.executable, str(script), str(folder), "--outtype", "bf16", "--outfile", str(partial)],
+    _run_niced([sys.executable, str(script), str(folder), "--outtype", outtype, "--outfile", str(partial)],
                "convert_hf_to_gguf", gguf.with_suffix(".log"), echo=CONVERT_SUMMARY)
     partial.rename(gguf)
     return gguf
@@ -191,7 +197,7 @@ def server_command(server: Path, gguf: Path, port: int, kv_cache_tokens: int, pa
     ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port on localhost that nothing listens on right now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -220,11 +226,11 @@ def _wait_healthy(process: subprocess.Popen[str], base_url: str) -> None:
     raise RuntimeError(f"llama-server not healthy after {HEALTH_TIMEOUT_S:.0f} s")
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
-    """Terminate the server, killing it if it does not exit within 10 s."""
+def stop_process(process: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    """Terminate a server process, killing it if it does not exit within ``timeout_s``."""
     process.terminate()
     try:
-        process.wait(timeout=10)
+        process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
@@ -251,10 +257,13 @@ def safe_parallel_slots(requests: list[Request], kv_cache_tokens: int, max_num_s
     return max(1, min(max_num_seqs, kv_cache_tokens // longest))
 
 
-def run_server(requests: list[Request], server: Path, gguf: Path, kv_cache_tokens: int, parallel_slots: int,
-               threads: int) -> dict[str, Any]:
-    """Start llama-server, warm it up, send every request at once, and time until the last one finishes."""
-    port = _free_port()
+@contextmanager
+def serving(server: Path, gguf: Path, kv_cache_tokens: int, parallel_slots: int, threads: int) -> Iterator[str]:
+    """A llama-server on a free port, healthy and warmed up: yield its base URL, stop it afterwards.
+
+    A failure while it runs (or at its start) is raised as a RuntimeError carrying the server's last log lines.
+    """
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(server_command(server, gguf, port, kv_cache_tokens, parallel_slots, threads),
@@ -262,13 +271,20 @@ def run_server(requests: list[Request], server: Path, gguf: Path, kv_cache_token
         try:
             _wait_healthy(process, base_url)
             asyncio.run(_complete_all(base_url, [completion_payload(Request(WARMUP_PROMPT, 4))]))
-            start = time.monotonic()
-            responses = asyncio.run(_complete_all(base_url, [completion_payload(r) for r in requests]))
-            elapsed = time.monotonic() - start
+            yield base_url
         except (RuntimeError, httpx.HTTPError) as error:
             raise RuntimeError(f"{error}\nllama-server's last lines:\n{_log_tail(log)}") from error
         finally:
-            _stop(process)
+            stop_process(process)
+
+
+def run_server(requests: list[Request], server: Path, gguf: Path, kv_cache_tokens: int, parallel_slots: int,
+               threads: int) -> dict[str, Any]:
+    """Start llama-server, warm it up, send every request at once, and time until the last one finishes."""
+    with serving(server, gguf, kv_cache_tokens, parallel_slots, threads) as base_url:
+        start = time.monotonic()
+        responses = asyncio.run(_complete_all(base_url, [completion_payload(r) for r in requests]))
+        elapsed = time.monotonic() - start
     output_tokens = sum(response["tokens_predicted"] for response in responses)
     # a request stops early only if its slot's context (the whole pool here) runs out
     cut_short = sum(response["tokens_predicted"] < request.output_len
