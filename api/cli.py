@@ -1,9 +1,10 @@
-"""The `pagedserve` command: up, api, worker, migrate, keys create|list|revoke|rotate, submit, submit-file."""
+"""The `pagedserve` command: up, api, worker, prepare, migrate, keys create|list|revoke|rotate, submit, submit-file."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from api.cli_flags import add_settings_flags, command_settings, flag_errors
 from api.settings import Settings, configure
 
 DEV_KEY_FILE = "dev-api-key"
+logger = logging.getLogger("pagedserve.cli")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -42,16 +44,23 @@ def _env_value(value: Any) -> str:
 
 
 def check_startup(settings: Settings, command: str) -> None:
-    """Fail before serving, naming the setting, on values only the model or the engine can judge."""
-    from api.prompts import prompt_model
+    """Prepare the model (all but `api`), then fail before serving, naming the setting, on values only the model
+    or the engine can judge."""
+    from api.prompts import ModelUnavailableError, prompt_model
 
     try:
+        if command != "api":
+            from engine.model_files import resolve_model
+
+            resolve_model(settings.model, settings.cache_dir)  # converts a GGUF once (torch); the API cannot
         prompt_model()  # max_model_len against the model's context, the tokenizer, the chat template
         if command != "api":
             from engine.config import EngineConfig
             from worker.service import engine_kwargs
 
             EngineConfig(**engine_kwargs(settings))
+    except ModelUnavailableError as exc:  # only `api` gets here: it serves, /readyz saying 503, until then
+        logger.warning("%s; /readyz answers 503 and jobs are refused until then", exc.message)
     except ValueError as exc:
         raise SystemExit(f"pagedserve {command}: {exc}") from exc
 
@@ -75,6 +84,12 @@ def cmd_worker(settings: Settings, _args: argparse.Namespace) -> None:
     check_startup(settings, "worker")
 
     run_worker(settings)
+
+
+def cmd_prepare(settings: Settings, _args: argparse.Namespace) -> None:
+    """Convert the model (a GGUF) into the cache dir once, so the API can serve it (a worker does it at start too)."""
+    check_startup(settings, "prepare")
+    print(f"model {settings.model} is prepared")
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> None:
@@ -110,7 +125,7 @@ def _stop_on_signal(signum: int, _frame: object) -> None:
 
 
 def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
-    """Start everything on the embedded default: store, Redis if needed, one worker and the API."""
+    """Start everything on the embedded default: the model prepared, store, Redis if needed, one worker and the API."""
     from api import migrate
     from api.embedded_redis import redis_reachable, start_redis
 
@@ -148,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagedserve {pagedserve_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Any]] = {
-        "up": cmd_up, "api": cmd_api, "worker": cmd_worker, "migrate": cmd_migrate,
+        "up": cmd_up, "api": cmd_api, "worker": cmd_worker, "prepare": cmd_prepare, "migrate": cmd_migrate,
     }
     for name, handler in handlers.items():
         sub = commands.add_parser(name, help=handler.__doc__)

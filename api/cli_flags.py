@@ -12,7 +12,7 @@ from pydantic.fields import FieldInfo
 
 from api.settings import Settings
 
-SERVER_COMMANDS = ("up", "api", "worker")
+SERVER_COMMANDS = ("up", "api", "worker", "prepare")  # prepare reads what the worker reads
 STORE_COMMANDS = ("migrate", "create-key", "keys")
 _STORE_SETTINGS = ("data_dir", "database_url")
 _CLIENT_SETTINGS = ("host", "port", "data_dir")
@@ -38,7 +38,7 @@ def command_settings(command: str) -> list[str]:
         return list(_STORE_SETTINGS)
     if command not in SERVER_COMMANDS:  # the client commands: submit, submit-file
         return list(_CLIENT_SETTINGS)
-    skip = {"api": WORKER_ONLY, "worker": API_ONLY}.get(command, frozenset())
+    skip = {"api": WORKER_ONLY, "worker": API_ONLY, "prepare": API_ONLY}.get(command, frozenset())
     return [name for name in Settings.model_fields if name not in skip]
 
 

@@ -12,11 +12,22 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from api.errors import ApiError
 from api.settings import get_settings
+from core.model_files import ModelNotPreparedError, prepared_folder
+
+MODEL_RETRY_AFTER_S = 10
 
 
 class PromptTooLongError(ValueError):
     """The prompt plus max_tokens does not fit the model's context window."""
+
+
+class ModelUnavailableError(ApiError):
+    """503 for a request that needs the model while it is not prepared (its GGUF not converted yet)."""
+
+    def __init__(self, cause: ModelNotPreparedError) -> None:
+        super().__init__(503, str(cause), headers={"Retry-After": str(MODEL_RETRY_AFTER_S)})
 
 
 class TokenIdError(ValueError):
@@ -80,16 +91,6 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
     return tokens
 
 
-def model_folder(model: str) -> Path:
-    """The local HF folder of a model name or path (named models are resolved by the engine's torch-free helper)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    from engine.model_files import resolve_model
-
-    return Path(resolve_model(model))
-
-
 def _context_length(config: dict[str, Any], max_model_len: int | None) -> int:
     model_len = int(config.get("max_position_embeddings", 2048))
     if max_model_len is not None and max_model_len > model_len:
@@ -112,10 +113,15 @@ def _given_chat_template(value: str) -> str:
 
 @lru_cache(maxsize=4)
 def load_prompt_model(
-    model: str, tokenizer_dir: Path | None = None, chat_template: str | None = None, max_model_len: int | None = None
+    model: str, tokenizer_dir: Path | None = None, chat_template: str | None = None, max_model_len: int | None = None,
+    cache_root: Path | None = None,
 ) -> PromptModel:
-    """Load tokenizer and limits of a model once per process; the optional arguments override the model's own."""
-    folder = model_folder(model)
+    """Load tokenizer and limits of a model once per process; the optional arguments override the model's own.
+
+    A GGUF model is read from its converted folder; ModelNotPreparedError until a worker or `pagedserve
+    prepare` made it (the API never converts: that needs torch).
+    """
+    folder = prepared_folder(model, cache_root)
     tok_folder = tokenizer_dir.expanduser() if tokenizer_dir is not None else folder
     config = json.loads((folder / "config.json").read_text())
     tok_config_path = tok_folder / "tokenizer_config.json"
@@ -139,6 +145,10 @@ def load_prompt_model(
 
 
 def prompt_model() -> PromptModel:
-    """The configured model's prompt handling."""
+    """The configured model's prompt handling; ModelUnavailableError (503) while the model is not prepared."""
     settings = get_settings()
-    return load_prompt_model(settings.model, settings.tokenizer, settings.chat_template, settings.max_model_len)
+    try:
+        return load_prompt_model(settings.model, settings.tokenizer, settings.chat_template, settings.max_model_len,
+                                 settings.cache_dir)
+    except ModelNotPreparedError as exc:
+        raise ModelUnavailableError(exc) from exc

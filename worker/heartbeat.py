@@ -19,6 +19,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from api import streams
+# the readers live below the API and the worker alike; reaper and runner reach them through this module
+from api.heartbeats import heartbeat_key, is_alive, live_workers, read_stats  # noqa: F401
 from api.settings import get_settings
 
 STALLED_METRIC = "pagedserve_engine_stalled_seconds"
@@ -28,11 +30,6 @@ STALLED_METRIC = "pagedserve_engine_stalled_seconds"
 def worker_id() -> str:
     """This worker process's id: host and pid."""
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def heartbeat_key(worker: str) -> str:
-    """The Redis key of a worker's heartbeat."""
-    return streams.key("worker", worker)
 
 
 def beat(stats: dict[str, Any] | None = None) -> None:
@@ -50,26 +47,6 @@ def beat(stats: dict[str, Any] | None = None) -> None:
 def forget() -> None:
     """Remove this worker's heartbeat at a clean exit, so readiness and the reaper see it gone at once."""
     streams.redis_client().delete(heartbeat_key(worker_id()))
-
-
-def is_alive(worker: str) -> bool:
-    """Whether a worker has beaten within the heartbeat TTL."""
-    return bool(streams.redis_client().exists(heartbeat_key(worker)))
-
-
-def read_stats(worker: str) -> dict[str, Any] | None:
-    """A worker's last reported engine stats, or None when it is not alive."""
-    raw = streams.redis_client().hget(heartbeat_key(worker), "stats")
-    return json.loads(raw) if raw else None
-
-
-def live_workers(model: str) -> list[str]:
-    """Ids of the workers serving `model` whose heartbeat has not expired."""
-    client = streams.redis_client()
-    prefix = heartbeat_key("")
-    keys = list(client.scan_iter(match=heartbeat_key("*"), count=1000))
-    models = [client.hget(key, "model") for key in keys]
-    return sorted(key.removeprefix(prefix) for key, served in zip(keys, models) if served == model)
 
 
 def unhealthy_reason() -> str | None:

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from api import streams
+from api import heartbeats, streams
 from api.db import session_factory
+from api.prompts import ModelUnavailableError, prompt_model
 from api.settings import get_settings
-from worker import heartbeat
 
 router = APIRouter(tags=["health"])
 logger = logging.getLogger("pagedserve.api")
@@ -33,6 +33,8 @@ def health() -> Response:
 def _check(name: str, probe: Callable[[], object]) -> str:
     try:
         probe()
+    except ModelUnavailableError:  # a GGUF model until a worker or `pagedserve prepare` converted it
+        return "error: model not prepared"
     except Exception:
         # the exception text can name hosts and users; callers here are not authenticated, the log is private
         logger.warning("readyz.%s_unavailable", name, exc_info=True)
@@ -47,14 +49,16 @@ def _ping_database() -> None:
 
 def _require_live_worker() -> None:
     model = get_settings().model
-    if not heartbeat.live_workers(model):
+    if not heartbeats.live_workers(model):
         raise LookupError(f"no worker for {model} has a fresh heartbeat")
 
 
 @router.get("/readyz")
 def readyz() -> JSONResponse:
-    """Ready when the job store and Redis answer, and a live worker serves the model if so configured (else 503)."""
-    checks = {"database": _check("database", _ping_database),
+    """Ready when the model is prepared, the job store and Redis answer, and a live worker serves the model if so
+    configured (else 503)."""
+    checks = {"model": _check("model", prompt_model),
+              "database": _check("database", _ping_database),
               "redis": _check("redis", lambda: streams.redis_client().ping())}
     if get_settings().readyz_require_worker:
         checks["worker"] = _check("worker", _require_live_worker)

@@ -16,9 +16,10 @@ def test_healthz_is_ok(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
 
 
-def test_readyz_checks_database_and_redis(client: TestClient) -> None:
+def test_readyz_checks_model_database_and_redis(client: TestClient) -> None:
     response = client.get("/readyz")
-    assert response.status_code == 200 and response.json() == {"status": "ok", "database": "ok", "redis": "ok"}
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "model": "ok", "database": "ok", "redis": "ok"}
 
 
 def test_readyz_is_503_naming_an_unreachable_redis(service_settings: Settings) -> None:

