@@ -20,6 +20,8 @@ from engine.config import resolve_dtype
 from engine.model_files import resolve_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# the CPU features that decide which kernels torch and llama.cpp run
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 console = Console(width=200)
 
 
@@ -61,10 +63,21 @@ def build_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
     return llm
 
 
+def cpu_description() -> dict[str, Any]:
+    """The CPU's model name and which of ``SIMD_FLAGS`` it has (from ``/proc/cpuinfo`` where there is one)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text(errors="ignore").splitlines() if cpuinfo.exists() else []
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)  # every core repeats the same fields
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_flags": [flag for flag in SIMD_FLAGS if flag in flags]}
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     return {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "platform": platform.platform(), **cpu_description(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "load_average_at_end": os.getloadavg(),
     }

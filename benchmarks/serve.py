@@ -1,0 +1,239 @@
+"""Serving throughput and latency as users measure them: guidellm against `pagedserve up` and llama.cpp's server.
+
+One command, one fixed workload (synthetic prompts of exact token counts, EOS ignored, ``/v1/completions``),
+streaming and non-streaming, at each concurrency asked for. pagedserve runs as ``pagedserve up`` starts it
+(its settings' defaults; ``--pagedserve-flags`` adds any of its flags) on a fresh data directory and its own
+embedded Redis; llama-server runs on every GGUF type × slot count asked for, and its best configuration per
+mode and concurrency is the one pagedserve is compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from tqdm.auto import tqdm
+
+from benchmarks import guidellm_client, serve_report
+from benchmarks.baselines import llama_cpp
+from benchmarks.common import RESULTS_DIR, machine, print_table, write_json
+from benchmarks.guidellm_client import Target, Workload
+from engine.model_files import resolve_model
+
+MODES = {"non-streaming": False, "streaming": True}
+SYSTEMS = ("pagedserve", "llama.cpp")
+# guidellm counts prompt tokens with the model folder's tokenizer; llama.cpp's (BOS, merges) may differ slightly
+SLOT_SLACK_TOKENS = 64
+STARTUP_TIMEOUT_S = 900.0  # the first start converts the model's weights
+API_KEY_LINE = re.compile(r"development API key: (\S+)")
+T = TypeVar("T")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's options; every list option picks a subset of the matrix."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or HF folder")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--concurrency", nargs="+", type=positive_int, default=[8, 32], help="requests in flight")
+    parser.add_argument("--requests", type=positive_int, default=96, help="requests per run")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=128)
+    parser.add_argument("--output-tokens", type=positive_int, default=128)
+    parser.add_argument("--pagedserve-flags", default="", help="extra `pagedserve up` flags, e.g. '--quantization int8'")
+    parser.add_argument("--gguf-types", nargs="+", choices=llama_cpp.GGUF_TYPES, default=list(llama_cpp.GGUF_TYPES))
+    parser.add_argument("--slots", nargs="+", type=positive_int, default=[8, 16, 32], help="llama-server --parallel")
+    parser.add_argument("--llama-threads", type=positive_int, default=os.cpu_count() or 1, help="llama-server --threads")
+    parser.add_argument("--client-processes", type=positive_int, default=1, help="guidellm worker processes")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="serve", help="file names of the results: <name>.json, .md, .png")
+    return parser.parse_args(argv)
+
+
+def _poll(ready: Callable[[], T | None], process: subprocess.Popen[bytes], what: str) -> T:
+    """Call ``ready`` until it returns a value; fail if ``process`` exits or STARTUP_TIMEOUT_S passes first."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pagedserve up exited with {process.returncode} while waiting for {what}")
+        try:
+            value = ready()
+        except httpx.TransportError:
+            value = None  # the API is not listening yet
+        if value is not None:
+            return value
+        time.sleep(0.5)
+    raise RuntimeError(f"timed out after {STARTUP_TIMEOUT_S:.0f} s waiting for {what}")
+
+
+@contextmanager
+def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterator[Target]:
+    """`pagedserve up` on a free port, a fresh data directory and its own embedded Redis, yielded once its
+    worker has answered a warm-up request; stopped afterwards."""
+    port = llama_cpp.free_port()
+    command = [sys.executable, "-m", "api.cli", "up", "--model", model, "--port", str(port),
+               "--data-dir", str(work_dir / "data"), "--redis-url", f"redis://127.0.0.1:{llama_cpp.free_port()}/0",
+               *extra_flags]
+    log_path = work_dir / "pagedserve-up.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        api_key = _poll(lambda: (match := API_KEY_LINE.search(log_path.read_text())) and match.group(1),
+                        process, "its API key")
+        target = Target(f"http://127.0.0.1:{port}", model, api_key)
+        warm_up = {"model": model, "prompt": "Hello", "max_tokens": 4}
+        _poll(lambda: httpx.post(f"{target.base_url}/v1/completions", json=warm_up, timeout=STARTUP_TIMEOUT_S,
+                                 headers={"Authorization": f"Bearer {api_key}"}).raise_for_status(),
+              process, "a warm-up completion")
+        yield target
+    except (RuntimeError, httpx.HTTPError) as error:
+        tail = "\n".join(log_path.read_text().splitlines()[-15:])
+        raise RuntimeError(f"{error}\npagedserve up's last lines:\n{tail}") from error
+    finally:
+        llama_cpp.stop_process(process, timeout_s=90.0)  # `up` gives its children 60 s each
+
+
+def run_cells(target: Target, system: str, config: str, args: argparse.Namespace, tokenizer_dir: Path,
+              work_dir: Path, progress: tqdm) -> list[dict[str, Any]]:
+    """One guidellm run per mode and concurrency against ``target``; a failed run is a row with its error."""
+    rows = []
+    for mode in args.modes:
+        for concurrency in args.concurrency:
+            row: dict[str, Any] = {"system": system, "config": config, "mode": mode, "concurrency": concurrency}
+            progress.set_description(f"{system} {config} {mode} x{concurrency}")
+            try:
+                row |= guidellm_client.run(target, tokenizer_dir, workload(args), MODES[mode], concurrency,
+                                           args.client_processes, work_dir)
+            except RuntimeError as error:
+                row["error"] = str(error)
+            rows.append(row)
+            progress.update(1)
+    return rows
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    """The fixed workload the options describe."""
+    return Workload(args.requests, args.prompt_tokens, args.output_tokens)
+
+
+def pagedserve_rows(args: argparse.Namespace, tokenizer_dir: Path, work_dir: Path, progress: tqdm) -> list[dict]:
+    """The matrix against `pagedserve up`; if it does not start, one error row."""
+    config = args.pagedserve_flags or "defaults"
+    try:
+        with pagedserve_up(args.model, shlex.split(args.pagedserve_flags), work_dir) as target:
+            return run_cells(target, "pagedserve", config, args, tokenizer_dir, work_dir, progress)
+    except RuntimeError as error:
+        return [{"system": "pagedserve", "config": config, "error": str(error)}]
+
+
+def llama_cpp_kv_tokens(slots: int, workload: Workload) -> int:
+    """The KV pool llama-server needs for ``slots`` requests of ``workload`` at once, each with some slack."""
+    return slots * (workload.prompt_tokens + workload.output_tokens + SLOT_SLACK_TOKENS)
+
+
+def llama_cpp_config(outtype: str, slots: int) -> str:
+    """How a llama-server configuration is named in the results."""
+    return f"{outtype.upper()} GGUF, {slots} slots"
+
+
+def llama_cpp_rows(args: argparse.Namespace, tokenizer_dir: Path, work_dir: Path, progress: tqdm) -> list[dict]:
+    """The matrix against llama-server for every GGUF type and slot count; a server that fails is an error row."""
+    try:
+        server = llama_cpp.ensure_server()
+    except RuntimeError as error:
+        return [{"system": "llama.cpp", "config": "build", "error": str(error)}]
+    rows = []
+    for outtype in args.gguf_types:
+        for slots in args.slots:
+            config = llama_cpp_config(outtype, slots)
+            try:
+                gguf = llama_cpp.ensure_gguf(tokenizer_dir, outtype=outtype)
+                with llama_cpp.serving(server, gguf, llama_cpp_kv_tokens(slots, workload(args)), slots,
+                                       args.llama_threads) as base_url:
+                    rows += run_cells(Target(base_url, args.model), "llama.cpp", config, args, tokenizer_dir,
+                                      work_dir, progress)
+            except RuntimeError as error:
+                rows.append({"system": "llama.cpp", "config": config, "error": str(error)})
+    return rows
+
+
+def best_per_cell(rows: list[dict[str, Any]], system: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """``system``'s fastest row per (mode, concurrency), among runs where every request succeeded."""
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        if row["system"] != system or "error" in row or row["requests_failed"]:
+            continue
+        cell = (row["mode"], row["concurrency"])
+        if cell not in best or row["output_tokens_per_s"] > best[cell]["output_tokens_per_s"]:
+            best[cell] = row
+    return best
+
+
+def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode and concurrency: pagedserve's output tok/s, llama.cpp's best configuration's, and their ratio."""
+    ours, theirs = best_per_cell(rows, "pagedserve"), best_per_cell(rows, "llama.cpp")
+    result = []
+    for cell in sorted(ours.keys() | theirs.keys()):
+        entry: dict[str, Any] = {"mode": cell[0], "concurrency": cell[1]}
+        if cell in ours:
+            entry["pagedserve_output_tokens_per_s"] = ours[cell]["output_tokens_per_s"]
+        if cell in theirs:
+            entry["llama_cpp_best_config"] = theirs[cell]["config"]
+            entry["llama_cpp_best_output_tokens_per_s"] = theirs[cell]["output_tokens_per_s"]
+        if cell in ours and cell in theirs:
+            entry["pagedserve_over_llama_cpp"] = (ours[cell]["output_tokens_per_s"]
+                                                  / theirs[cell]["output_tokens_per_s"])
+        result.append(entry)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the matrix, print the tables, and write <name>.json, .md and .png under --out."""
+    args = parse_args(argv)
+    tokenizer_dir = resolve_model(args.model)  # guidellm's tokenizer and llama.cpp's source weights
+    configs = {"pagedserve": 1, "llama.cpp": len(args.gguf_types) * len(args.slots)}
+    total = sum(configs[system] for system in args.systems) * len(args.modes) * len(args.concurrency)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="serve-") as work, tqdm(total=total, unit="run") as progress:
+        if "pagedserve" in args.systems:
+            rows += pagedserve_rows(args, tokenizer_dir, Path(work), progress)
+        if "llama.cpp" in args.systems:
+            rows += llama_cpp_rows(args, tokenizer_dir, Path(work), progress)
+    payload = {
+        "benchmark": "serve", "method": __doc__.strip(), "command": "python -m benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "workload": asdict(workload(args)), "client": {"guidellm": version("guidellm"),
+                                                      "processes": args.client_processes},
+        "machine": machine(), "rows": rows, "comparisons": comparisons(rows),
+    }
+    if any(row["system"] == "llama.cpp" and "error" not in row for row in rows):
+        payload["llama_cpp"] = llama_cpp.source_version()
+    write_json(args.name, payload, args.out)
+    (args.out / f"{args.name}.md").write_text(serve_report.markdown(payload))
+    serve_report.save_plot(payload, args.out / f"{args.name}.png")
+    print_table("guidellm runs", rows, serve_report.ROW_COLUMNS)
+    print_table("pagedserve vs llama.cpp's best", payload["comparisons"], serve_report.COMPARISON_COLUMNS)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

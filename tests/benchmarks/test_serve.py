@@ -1,0 +1,97 @@
+"""The serving benchmark: guidellm against a real `pagedserve up` on the tiny model; llama.cpp's half through its
+pure pieces (llama.cpp itself takes ~10 minutes to build, so no test builds it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import guidellm_client, serve
+from benchmarks.baselines import llama_cpp
+from benchmarks.guidellm_client import Target, Workload
+
+NUM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 4, 16, 8
+SMALL_ENGINE = "--dtype float32 --kv-cache-memory 32MiB --swap-space 32MiB --max-num-seqs 8"
+
+
+def _pagedserve_argv(model_dir: Path, out: Path, pagedserve_flags: str) -> list[str]:
+    return ["--systems", "pagedserve", "--model", str(model_dir), "--requests", str(NUM_REQUESTS),
+            "--concurrency", "2", "--prompt-tokens", str(PROMPT_TOKENS), "--output-tokens", str(OUTPUT_TOKENS),
+            "--pagedserve-flags", pagedserve_flags, "--out", str(out)]
+
+
+def test_guidellm_measures_pagedserve_up_streaming_and_not(tiny_model_dir: Path, tmp_path: Path) -> None:
+    serve.main(_pagedserve_argv(tiny_model_dir, tmp_path, SMALL_ENGINE))
+    payload = json.loads((tmp_path / "serve.json").read_text())
+    assert [(row["mode"], row["concurrency"]) for row in payload["rows"]] == [("non-streaming", 2), ("streaming", 2)]
+    for row in payload["rows"]:
+        assert "error" not in row, row["error"]
+        assert row["requests_successful"] == NUM_REQUESTS and row["requests_failed"] == 0
+        assert row["output_tokens"] == NUM_REQUESTS * OUTPUT_TOKENS  # EOS ignored: every request makes them all
+        assert row["output_tokens_per_s"] > 0 and 0 < row["latency_ms_p50"] <= row["latency_ms_p99"]
+    streaming = payload["rows"][1]
+    assert 0 < streaming["ttft_ms_p50"] <= streaming["ttft_ms_p99"] and streaming["itl_ms_p50"] > 0
+    assert "ttft_ms_p50" not in payload["rows"][0]  # whole responses have no first-token time
+    assert payload["machine"]["cpu_model"] and isinstance(payload["machine"]["cpu_flags"], list)
+    assert [c["pagedserve_output_tokens_per_s"] for c in payload["comparisons"]] == [
+        row["output_tokens_per_s"] for row in payload["rows"]]
+    assert "| pagedserve |" in (tmp_path / "serve.md").read_text()
+    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_pagedserve_that_cannot_start_is_an_error_row_with_its_log(tiny_model_dir: Path, tmp_path: Path) -> None:
+    payload = serve.main(_pagedserve_argv(tiny_model_dir, tmp_path, "--max-num-seqs 0"))
+    (row,) = payload["rows"]
+    assert "pagedserve up exited" in row["error"] and "--max-num-seqs" in row["error"]
+    assert payload["comparisons"] == []
+
+
+def test_guidellm_runs_offline_on_the_fixed_workload_at_the_asked_concurrency(tmp_path: Path) -> None:
+    target = Target("http://127.0.0.1:8000", "smollm2", api_key="psk_x")
+    command = guidellm_client.command(target, tmp_path, Workload(96, 128, 64), stream=True, concurrency=32,
+                                      report_path=tmp_path / "r.json")
+    options = dict(zip(command[4::2], command[5::2], strict=False))  # after `python -m guidellm run`
+    assert options["--profile"] == "kind=concurrent,streams=32"
+    assert options["--constraint"] == "kind=max_requests,count=96"
+    assert options["--data"] == "kind=synthetic_text,prompt_tokens=128,output_tokens=64"
+    assert options["--tokenizer"] == f"kind=hf_auto,model={tmp_path}"  # a local folder: nothing downloads
+    assert "stream=true" in options["--backend"] and "api_key=psk_x" in options["--backend"]
+    environment = guidellm_client.environment(client_processes=1)
+    assert environment["HF_HUB_OFFLINE"] == "1" and environment["GUIDELLM__MAX_WORKER_PROCESSES"] == "1"
+
+
+def test_llama_server_pool_holds_every_slots_request_with_slack() -> None:
+    kv_tokens = serve.llama_cpp_kv_tokens(16, Workload(96, 128, 128))
+    assert kv_tokens == 16 * (128 + 128 + serve.SLOT_SLACK_TOKENS)
+
+
+def test_llama_cpp_best_is_the_fastest_configuration_whose_requests_all_succeeded() -> None:
+    cell = {"mode": "streaming", "concurrency": 32}
+    rows = [
+        {"system": "pagedserve", "config": "defaults", **cell, "output_tokens_per_s": 100.0, "requests_failed": 0},
+        {"system": "llama.cpp", "config": "BF16 GGUF, 16 slots", **cell, "output_tokens_per_s": 80.0,
+         "requests_failed": 0},
+        {"system": "llama.cpp", "config": "Q8_0 GGUF, 32 slots", **cell, "output_tokens_per_s": 120.0,
+         "requests_failed": 1},
+        {"system": "llama.cpp", "config": "F32 GGUF, 8 slots", "error": "llama-server exited with 1 at start"},
+    ]
+    (comparison,) = serve.comparisons(rows)
+    assert comparison["llama_cpp_best_config"] == "BF16 GGUF, 16 slots"
+    assert comparison["pagedserve_over_llama_cpp"] == pytest.approx(100.0 / 80.0)
+
+
+def test_unknown_gguf_type_is_refused_naming_the_argument(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="outtype must be one of f32, bf16, q8_0, got 'q4_0'"):
+        llama_cpp.ensure_gguf(tmp_path, cache_dir=tmp_path, outtype="q4_0")
+
+
+@pytest.mark.parametrize("argv, named", [(["--concurrency", "0"], "--concurrency"),
+                                         (["--gguf-types", "q4_0"], "--gguf-types"),
+                                         (["--modes", "batch"], "--modes")])
+def test_bad_options_are_refused_naming_the_option(argv: list[str], named: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        serve.parse_args(argv)
+    assert named in capsys.readouterr().err
