@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, TypeVar
@@ -113,37 +113,66 @@ def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterato
         llama_cpp.stop_process(process, timeout_s=90.0)  # `up` gives its children 60 s each
 
 
-def run_cells(target: Target, system: str, config: str, args: argparse.Namespace, tokenizer_dir: Path,
-              work_dir: Path, progress: tqdm) -> list[dict[str, Any]]:
-    """One guidellm run per mode and concurrency against ``target``; a failed run is a row with its error."""
-    rows = []
-    for mode in args.modes:
-        for concurrency in args.concurrency:
-            row: dict[str, Any] = {"system": system, "config": config, "mode": mode, "concurrency": concurrency}
-            progress.set_description(f"{system} {config} {mode} x{concurrency}")
-            try:
-                row |= guidellm_client.run(target, tokenizer_dir, workload(args), MODES[mode], concurrency,
-                                           args.client_processes, work_dir)
-            except RuntimeError as error:
-                row["error"] = str(error)
-            rows.append(row)
-            progress.update(1)
-    return rows
-
-
 def workload(args: argparse.Namespace) -> Workload:
     """The fixed workload the options describe."""
     return Workload(args.requests, args.prompt_tokens, args.output_tokens)
 
 
-def pagedserve_rows(args: argparse.Namespace, tokenizer_dir: Path, work_dir: Path, progress: tqdm) -> list[dict]:
-    """The matrix against `pagedserve up`; if it does not start, one error row."""
+@dataclass(slots=True)
+class Results:
+    """The runs so far, written out after each one, so that an interrupted benchmark keeps what it measured."""
+
+    args: argparse.Namespace
+    command: str
+    tokenizer_dir: Path
+    work_dir: Path
+    progress: tqdm
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Record a run (or a server that failed) and rewrite the result files."""
+        self.rows.append(row)
+        self.progress.update(1)
+        self.write()
+
+    def run_cells(self, target: Target, system: str, config: str) -> None:
+        """One guidellm run per mode and concurrency against ``target``; a failed run is a row with its error."""
+        for mode in self.args.modes:
+            for concurrency in self.args.concurrency:
+                row: dict[str, Any] = {"system": system, "config": config, "mode": mode, "concurrency": concurrency}
+                self.progress.set_description(f"{system} {config} {mode} x{concurrency}")
+                try:
+                    row |= guidellm_client.run(target, self.tokenizer_dir, workload(self.args), MODES[mode],
+                                               concurrency, self.args.client_processes, self.work_dir)
+                except RuntimeError as error:
+                    row["error"] = str(error)
+                self.add(row)
+
+    def write(self) -> dict[str, Any]:
+        """Write <name>.json, .md and .png under --out; return the JSON payload."""
+        payload = {
+            "benchmark": "serve", "method": __doc__.strip(), "command": self.command,
+            "workload": asdict(workload(self.args)),
+            "client": {"guidellm": version("guidellm"), "processes": self.args.client_processes},
+            "machine": machine(), "rows": self.rows, "comparisons": comparisons(self.rows),
+        }
+        if any(row["system"] == "llama.cpp" and "error" not in row for row in self.rows):
+            payload["llama_cpp"] = llama_cpp.source_version()
+        write_json(self.args.name, payload, self.args.out)
+        (self.args.out / f"{self.args.name}.md").write_text(serve_report.markdown(payload))
+        serve_report.save_plot(payload, self.args.out / f"{self.args.name}.png")
+        return payload
+
+
+def measure_pagedserve(results: Results) -> None:
+    """The matrix against `pagedserve up`; if it does not start, an error row."""
+    args = results.args
     config = args.pagedserve_flags or "defaults"
     try:
-        with pagedserve_up(args.model, shlex.split(args.pagedserve_flags), work_dir) as target:
-            return run_cells(target, "pagedserve", config, args, tokenizer_dir, work_dir, progress)
+        with pagedserve_up(args.model, shlex.split(args.pagedserve_flags), results.work_dir) as target:
+            results.run_cells(target, "pagedserve", config)
     except RuntimeError as error:
-        return [{"system": "pagedserve", "config": config, "error": str(error)}]
+        results.add({"system": "pagedserve", "config": config, "error": str(error)})
 
 
 def llama_cpp_kv_tokens(slots: int, workload: Workload) -> int:
@@ -156,25 +185,24 @@ def llama_cpp_config(outtype: str, slots: int) -> str:
     return f"{outtype.upper()} GGUF, {slots} slots"
 
 
-def llama_cpp_rows(args: argparse.Namespace, tokenizer_dir: Path, work_dir: Path, progress: tqdm) -> list[dict]:
+def measure_llama_cpp(results: Results) -> None:
     """The matrix against llama-server for every GGUF type and slot count; a server that fails is an error row."""
+    args = results.args
     try:
         server = llama_cpp.ensure_server()
     except RuntimeError as error:
-        return [{"system": "llama.cpp", "config": "build", "error": str(error)}]
-    rows = []
+        results.add({"system": "llama.cpp", "config": "build", "error": str(error)})
+        return
     for outtype in args.gguf_types:
         for slots in args.slots:
             config = llama_cpp_config(outtype, slots)
             try:
-                gguf = llama_cpp.ensure_gguf(tokenizer_dir, outtype=outtype)
+                gguf = llama_cpp.ensure_gguf(results.tokenizer_dir, outtype=outtype)
                 with llama_cpp.serving(server, gguf, llama_cpp_kv_tokens(slots, workload(args)), slots,
                                        args.llama_threads) as base_url:
-                    rows += run_cells(Target(base_url, args.model), "llama.cpp", config, args, tokenizer_dir,
-                                      work_dir, progress)
+                    results.run_cells(Target(base_url, args.model), "llama.cpp", config)
             except RuntimeError as error:
-                rows.append({"system": "llama.cpp", "config": config, "error": str(error)})
-    return rows
+                results.add({"system": "llama.cpp", "config": config, "error": str(error)})
 
 
 def best_per_cell(rows: list[dict[str, Any]], system: str) -> dict[tuple[str, int], dict[str, Any]]:
@@ -208,29 +236,20 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the matrix, print the tables, and write <name>.json, .md and .png under --out."""
+    """Run the matrix, print the tables, and write <name>.json, .md and .png under --out (after every run)."""
     args = parse_args(argv)
+    command = "python -m benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv)
     tokenizer_dir = resolve_model(args.model)  # guidellm's tokenizer and llama.cpp's source weights
     configs = {"pagedserve": 1, "llama.cpp": len(args.gguf_types) * len(args.slots)}
     total = sum(configs[system] for system in args.systems) * len(args.modes) * len(args.concurrency)
-    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="serve-") as work, tqdm(total=total, unit="run") as progress:
+        results = Results(args, command, tokenizer_dir, Path(work), progress)
         if "pagedserve" in args.systems:
-            rows += pagedserve_rows(args, tokenizer_dir, Path(work), progress)
+            measure_pagedserve(results)
         if "llama.cpp" in args.systems:
-            rows += llama_cpp_rows(args, tokenizer_dir, Path(work), progress)
-    payload = {
-        "benchmark": "serve", "method": __doc__.strip(), "command": "python -m benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "workload": asdict(workload(args)), "client": {"guidellm": version("guidellm"),
-                                                      "processes": args.client_processes},
-        "machine": machine(), "rows": rows, "comparisons": comparisons(rows),
-    }
-    if any(row["system"] == "llama.cpp" and "error" not in row for row in rows):
-        payload["llama_cpp"] = llama_cpp.source_version()
-    write_json(args.name, payload, args.out)
-    (args.out / f"{args.name}.md").write_text(serve_report.markdown(payload))
-    serve_report.save_plot(payload, args.out / f"{args.name}.png")
-    print_table("guidellm runs", rows, serve_report.ROW_COLUMNS)
+            measure_llama_cpp(results)
+        payload = results.write()
+    print_table("guidellm runs", payload["rows"], serve_report.ROW_COLUMNS)
     print_table("pagedserve vs llama.cpp's best", payload["comparisons"], serve_report.COMPARISON_COLUMNS)
     return payload
 
