@@ -60,7 +60,7 @@ def check_startup(settings: Settings, command: str) -> None:
 
             EngineConfig(**engine_kwargs(settings))
     except ModelUnavailableError as exc:  # only `api` gets here: it serves, /readyz saying 503, until then
-        logger.warning("%s; /readyz answers 503 and jobs are refused until then", exc.message)
+        logger.warning("%s; /readyz answers 503 and jobs are refused until then", exc.__cause__)
     except ValueError as exc:
         raise SystemExit(f"pagedserve {command}: {exc}") from exc
 

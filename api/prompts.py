@@ -26,8 +26,10 @@ class PromptTooLongError(ValueError):
 class ModelUnavailableError(ApiError):
     """503 for a request that needs the model while it is not prepared (its GGUF not converted yet)."""
 
-    def __init__(self, cause: ModelNotPreparedError) -> None:
-        super().__init__(503, str(cause), headers={"Retry-After": str(MODEL_RETRY_AFTER_S)})
+    def __init__(self, model: str) -> None:
+        # the cause names the server's cache folder; clients only learn to retry (the API process logs the folder)
+        message = f"model {model!r} is not prepared yet (a worker converts it as it starts); retry shortly"
+        super().__init__(503, message, headers={"Retry-After": str(MODEL_RETRY_AFTER_S)})
 
 
 class TokenIdError(ValueError):
@@ -151,4 +153,4 @@ def prompt_model() -> PromptModel:
         return load_prompt_model(settings.model, settings.tokenizer, settings.chat_template, settings.max_model_len,
                                  settings.cache_dir)
     except ModelNotPreparedError as exc:
-        raise ModelUnavailableError(exc) from exc
+        raise ModelUnavailableError(settings.model) from exc
