@@ -8,18 +8,27 @@ from typing import Any
 
 import torch
 
+from kernels.checks import HostTables
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Per-step layout of the flattened batch; the first ``num_decode_tokens`` rows are decodes."""
+    """Per-step layout of the flattened batch; the first ``num_decode_tokens`` rows are decodes.
+
+    The host copies (``slot_range``, ``*_host``) let the kernels check and plan without reading
+    the device tensors back.
+    """
 
     slot_mapping: torch.Tensor
+    slot_range: tuple[int, int]
     num_decode_tokens: int
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
+    decode_host: HostTables
     prefill_block_tables: torch.Tensor
     prefill_query_start_loc: torch.Tensor
     prefill_context_lens: torch.Tensor
+    prefill_host: HostTables
     # the backend's plans for this step, made by the first layer and reused by the others
     decode_plan: Any = None
     prefill_plan: Any = None
@@ -45,14 +54,14 @@ class PagedAttention:
         key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
     ) -> torch.Tensor:
         """``query [T, H, D]``, ``key/value [T, KV, D]`` → attention output ``[T, H, D]``."""
-        self.ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, meta.slot_range)
         num_decode = meta.num_decode_tokens
         if not meta.has_prefill:
             return self._decode(query, key_cache, value_cache, meta)
         prefill_args = (query[num_decode:], key_cache, value_cache, meta.prefill_block_tables,
                         meta.prefill_query_start_loc, meta.prefill_context_lens)
         if meta.prefill_plan is None:
-            meta.prefill_plan = self.ops.plan_prefill(*prefill_args)
+            meta.prefill_plan = self.ops.plan_prefill(*prefill_args, host=meta.prefill_host)
         prefill = self.ops.paged_prefill_attention(*prefill_args, self.scale, plan=meta.prefill_plan)
         if num_decode == 0:
             return prefill
@@ -64,5 +73,5 @@ class PagedAttention:
         """The decode rows' attention, planned once per step."""
         decode_args = (query, key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens)
         if meta.decode_plan is None:
-            meta.decode_plan = self.ops.plan_decode(*decode_args)
+            meta.decode_plan = self.ops.plan_decode(*decode_args, host=meta.decode_host)
         return self.ops.paged_attention_decode(*decode_args, self.scale, plan=meta.decode_plan)

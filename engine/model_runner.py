@@ -9,15 +9,49 @@ from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
+from kernels.checks import HostTables
 
 
-def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+def _padded(rows: list[list[int]]) -> tuple[list[int], int]:
+    """Rows padded with -1 to the longest, flattened; and that width."""
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32, device=device).view(len(rows), width)
+    return [value for row in rows for value in row + [-1] * (width - len(row))], width
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of positions ``start:end``: one ``range`` per block, not per token."""
+    slots: list[int] = []
+    for index in range(start // block_size, (end - 1) // block_size + 1):
+        base = table[index] * block_size
+        first, last = max(start, index * block_size), min(end, (index + 1) * block_size)
+        slots.extend(range(base + first % block_size, base + (last - 1) % block_size + 1))
+    return slots
+
+
+class StagingBuffer:
+    """Carries a step's integer metadata to the device in one copy: from a reused pinned buffer
+    on CUDA (non-blocking), as a fresh tensor on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
+
+    def upload(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the device."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        if self.pinned.numel() < len(values):
+            self.pinned = torch.empty(2 * len(values), dtype=torch.int64, pin_memory=True)
+        # Reusing the buffer is safe: the previous step's copy finished before its sampled tokens
+        # were read back, and that read-back happened before this step began.
+        staged = self.pinned[: len(values)].copy_(host)
+        return staged.to(self.device, non_blocking=True)
 
 
 class ModelRunner:
-    """Builds ``input_ids``, ``positions``, ``slot_mapping`` and block tables once per step."""
+    """Builds ``input_ids``, ``positions``, ``slot_mapping`` and block tables once per step, on the
+    host, and sends them to the device in one transfer."""
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, block_manager: BlockManager, device: torch.device) -> None:
         self.model = model
@@ -25,9 +59,7 @@ class ModelRunner:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.device = device
-
-    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return table.gather(-1, positions // self.block_size).long() * self.block_size + positions % self.block_size
+        self.staging = StagingBuffer(device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
@@ -36,47 +68,47 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
-        tables = self.block_manager.tables
-        dev = self.device
-
-        decode_tables = _padded([tables[s.seq.seq_id] for s in decodes], dev)
-        decode_pos = torch.tensor([s.seq.num_computed_tokens for s in decodes], dtype=torch.long, device=dev)
-        decode_ids = [s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes]
-        slots = [self._slots(decode_tables, decode_pos[:, None])[:, 0]] if decodes else []
-        positions = [decode_pos]
-        input_ids = decode_ids
-        prefill_tables = _padded([tables[s.seq.seq_id] for s in prefills], dev)
+        tables = [self.block_manager.tables[s.seq.seq_id] for s in ordered]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         query_start = [0]
-        for i, s in enumerate(prefills):
-            start = s.seq.num_computed_tokens
-            pos = torch.arange(start, start + s.num_new_tokens, device=dev)
-            positions.append(pos)
-            slots.append(self._slots(prefill_tables[i], pos))
-            input_ids = input_ids + s.seq.token_ids[start : start + s.num_new_tokens]
-            query_start.append(query_start[-1] + s.num_new_tokens)
-
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots) if slots else torch.empty(0, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_pos.to(torch.int32) + 1,
-            prefill_block_tables=prefill_tables,
-            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(
-                [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], dtype=torch.int32, device=dev
-            ),
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev), torch.cat(positions), self.cache.gpu_cache, meta
-        )
-        # the last token of each sequence that now covers all its tokens yields the next token
-        ends = torch.tensor(query_start[1:], dtype=torch.long) - 1 + len(decodes)
-        last_rows = list(range(len(decodes))) + ends.tolist()
         sampled_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
-        for row, s in zip(last_rows, ordered):
-            if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens:
-                sampled_rows.append(row)
+        for s, table in zip(ordered, tables):
+            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
+            input_ids += s.seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += _slots(table, start, end, self.block_size)
+            query_start.append(query_start[-1] + s.num_new_tokens)
+            # the last token of a sequence that now covers all its tokens yields the next token
+            if end == s.seq.num_tokens:
+                sampled_rows.append(query_start[-1] - 1)
                 sampled.append(s)
-        logits = self.model.compute_logits(hidden[sampled_rows])
-        return logits, sampled
+        num_decodes = len(decodes)
+        decode_host = HostTables(tables[:num_decodes], [s.seq.num_computed_tokens + 1 for s in decodes])
+        prefill_starts = [start - num_decodes for start in query_start[num_decodes:]]
+        prefill_host = HostTables(
+            tables[num_decodes:], [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], prefill_starts,
+        )
+        decode_tables, decode_width = _padded(decode_host.block_tables)
+        prefill_tables, prefill_width = _padded(prefill_host.block_tables)
+        fields = [input_ids, positions, slots, decode_tables, decode_host.context_lens, prefill_tables,
+                  prefill_starts, prefill_host.context_lens, sampled_rows]
+        device_fields = self.staging.upload([v for field in fields for v in field]).split([len(f) for f in fields])
+        (ids, pos, slot_mapping, decode_tables_dev, decode_lens, prefill_tables_dev, prefill_starts_dev,
+         prefill_lens, rows) = device_fields
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            slot_range=(min(slots, default=0), max(slots, default=0)),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=decode_tables_dev.to(torch.int32).view(num_decodes, decode_width),
+            decode_context_lens=decode_lens.to(torch.int32),
+            decode_host=decode_host,
+            prefill_block_tables=prefill_tables_dev.to(torch.int32).view(len(prefills), prefill_width),
+            prefill_query_start_loc=prefill_starts_dev.to(torch.int32),
+            prefill_context_lens=prefill_lens.to(torch.int32),
+            prefill_host=prefill_host,
+        )
+        hidden = self.model(ids, pos, self.cache.gpu_cache, meta)
+        return self.model.compute_logits(hidden.index_select(0, rows)), sampled

@@ -1,15 +1,27 @@
 """Argument checks shared by the kernel backends: fail with a ValueError before any launch.
 
-Shape, dtype and device checks are free; value checks (block ids, lengths) need one device
-sync per call, which the callers pay anyway to size their launch grids.
+Shape, dtype and device checks are free. Value checks (block ids, lengths, slots) read the
+values: from ``HostTables`` when the caller has host copies (the engine always does), else from
+the device in one sync per call.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class HostTables:
+    """Host copies of the block tables and lengths a step's device tensors were made from."""
+
+    block_tables: list[list[int]]  # each sequence's blocks, at least those its context uses
+    context_lens: list[int]
+    query_start_loc: list[int] | None = None  # prefill only
 
 
 def _require(ok: bool, message: str) -> None:
@@ -51,8 +63,12 @@ def check_cache_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """Arguments of ``reshape_and_cache``; slots must be -1 or inside the cache."""
+    slot_range: tuple[int, int] | None = None,
+) -> tuple[int, int]:
+    """Arguments of ``reshape_and_cache``; slots must be -1 or inside the cache.
+
+    ``slot_range`` bounds the slots from host data (no device sync); returns the range checked.
+    """
     check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     expected = (key.shape[0], num_kv_heads, head_dim)
@@ -68,13 +84,17 @@ def check_cache_write(
         slot_mapping.shape[0] == key.shape[0],
         f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens",
     )
-    if slot_mapping.numel():
-        low, high = torch.stack([slot_mapping.min(), slot_mapping.max()]).tolist()
-        num_slots = num_blocks * block_size
-        _require(
-            low >= -1 and high < num_slots,
-            f"slot_mapping must be -1 or in [0, {num_slots}), got values in [{low}, {high}]",
-        )
+    if not slot_mapping.numel():
+        return 0, 0
+    if slot_range is None:
+        slot_range = tuple(torch.stack([slot_mapping.min(), slot_mapping.max()]).tolist())
+    low, high = slot_range
+    num_slots = num_blocks * block_size
+    _require(
+        low >= -1 and high < num_slots,
+        f"slot_mapping must be -1 or in [0, {num_slots}), got values in [{low}, {high}]",
+    )
+    return low, high
 
 
 def _check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:
@@ -146,6 +166,33 @@ def _check_table_values(
     return [high, *values[3:]]
 
 
+def _check_host_values(key_cache: torch.Tensor, block_tables: torch.Tensor, host: HostTables) -> int:
+    """``_check_table_values`` on host copies: no device sync. Returns the longest context length."""
+    lens = host.context_lens
+    _require(
+        len(lens) == len(host.block_tables) == block_tables.shape[0],
+        f"host copies hold {len(lens)} context_lens and {len(host.block_tables)} tables "
+        f"for {block_tables.shape[0]} block_tables rows",
+    )
+    if not lens:
+        return 0
+    num_blocks, block_size = key_cache.shape[:2]
+    capacity = block_tables.shape[1] * block_size
+    low, high = min(lens), max(lens)
+    _require(low >= 1, f"context_lens must be >= 1, got {low}")
+    _require(
+        high <= capacity,
+        f"context_lens must be <= block_tables capacity of {capacity} tokens, got {high}",
+    )
+    in_use = [block for row, n in zip(host.block_tables, lens) for block in row[: -(-n // block_size)]]
+    _require(
+        len(in_use) == sum(-(-n // block_size) for n in lens)
+        and min(in_use) >= 0 and max(in_use) < num_blocks,
+        f"block_tables point past the cache: blocks in use must be in [0, {num_blocks})",
+    )
+    return high
+
+
 def check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """The shape, dtype and device checks of an attention call (no device sync)."""
     check_cache_pair(key_cache, value_cache)
@@ -158,10 +205,15 @@ def check_decode(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    host: HostTables | None = None,
 ) -> int:
-    """Arguments of ``paged_attention_decode``; returns the longest context length."""
+    """Arguments of ``paged_attention_decode``; returns the longest context length.
+
+    Values are read from ``host`` when given, else from the device (one sync)."""
     check_attention_inputs(query, key_cache, value_cache)
     _check_table_shapes(key_cache, block_tables, context_lens, query.shape[0])
+    if host is not None:
+        return _check_host_values(key_cache, block_tables, host)
     return _check_table_values(key_cache, block_tables, context_lens)[0]
 
 
@@ -172,18 +224,29 @@ def check_prefill(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
+    host: HostTables | None = None,
 ) -> tuple[int, list[int]]:
-    """Arguments of ``paged_prefill_attention``; returns (longest context, query_start_loc)."""
+    """Arguments of ``paged_prefill_attention``; returns (longest context, query_start_loc).
+
+    Values are read from ``host`` (with its ``query_start_loc``) when given, else from the device
+    (one sync)."""
     check_attention_inputs(query, key_cache, value_cache)
     _check_index("query_start_loc", query_start_loc, 1, key_cache.device)
     num_seqs = query_start_loc.shape[0] - 1
     _require(num_seqs >= 0, "query_start_loc must hold num_seqs + 1 offsets")
     _check_table_shapes(key_cache, block_tables, context_lens, num_seqs)
-    num_queries = query_start_loc[1:] - query_start_loc[:-1]
-    too_many = (num_queries > context_lens).any()
-    max_context_len, too_many_queries, *starts = _check_table_values(
-        key_cache, block_tables, context_lens, (too_many, query_start_loc)
-    )
+    if host is not None:
+        _require(host.query_start_loc is not None, "host copies of a prefill need query_start_loc")
+        max_context_len, starts = _check_host_values(key_cache, block_tables, host), host.query_start_loc
+        too_many_queries = any(
+            end - start > n for start, end, n in zip(starts, starts[1:], host.context_lens)
+        )
+    else:
+        num_queries = query_start_loc[1:] - query_start_loc[:-1]
+        too_many = (num_queries > context_lens).any()
+        max_context_len, too_many_queries, *starts = _check_table_values(
+            key_cache, block_tables, context_lens, (too_many, query_start_loc)
+        )
     _require(
         starts[0] == 0 and starts[-1] == query.shape[0] and starts == sorted(starts),
         f"query_start_loc must rise from 0 to {query.shape[0]}, got {starts}",

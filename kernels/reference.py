@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import (
-    check_attention_inputs, check_cache_write, check_copy, check_decode, check_prefill, check_swap,
+    HostTables, check_attention_inputs, check_cache_write, check_copy, check_decode, check_prefill, check_swap,
 )
 
 
@@ -24,15 +24,17 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    slot_range: tuple[int, int] | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their flat slots.
 
-    A slot of -1 means "skip this token" (padding).
+    A slot of -1 means "skip this token" (padding). ``slot_range`` (lowest, highest slot), known
+    from host data, spares the check a device sync.
     """
-    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    low, _ = check_cache_write(key, value, key_cache, value_cache, slot_mapping, slot_range)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if low < 0:
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     flat_key_cache = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_value_cache = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
@@ -84,15 +86,15 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torc
 
 def plan_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, host: HostTables | None = None,
 ) -> AttentionPlan:
     """Check the arguments of ``paged_attention_decode`` and plan it: one query row per sequence,
     sequences grouped by context length so that padding to each group's longest stays small.
-    Layers that share the tables reuse the plan."""
-    check_decode(query, key_cache, value_cache, block_tables, context_lens)
+    Layers that share the tables reuse the plan; ``host`` copies spare the device reads."""
+    check_decode(query, key_cache, value_cache, block_tables, context_lens, host)
     if query.shape[0] == 0:
         return AttentionPlan(0, ())
-    lens = context_lens.tolist()
+    lens = host.context_lens if host is not None else context_lens.tolist()
     order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
     # rows stay in query order inside a group, so a single group needs no reordering
     members = [sorted(group) for group in _length_groups(order, lens)]
@@ -138,11 +140,13 @@ def _decode_group(
 def plan_prefill(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+    host: HostTables | None = None,
 ) -> AttentionPlan:
     """Check the arguments of ``paged_prefill_attention`` and plan it: one padded group when the
-    sequences are of similar size (one fused call beats a Python loop), else one group per sequence."""
-    _, starts = check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
-    lens = context_lens.tolist()
+    sequences are of similar size (one fused call beats a Python loop), else one group per sequence.
+    ``host`` copies spare the device reads."""
+    _, starts = check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, host)
+    lens = host.context_lens if host is not None else context_lens.tolist()
     num_queries = [end - start for start, end in zip(starts, starts[1:])]
     useful = sum(q * length for q, length in zip(num_queries, lens))
     if lens and len(lens) * max(num_queries) * max(lens) <= 2 * useful:
@@ -174,7 +178,7 @@ def _padded_group(cache_shape: torch.Size, block_tables: torch.Tensor, starts: l
     num_context_blocks = (max(lens) + block_size - 1) // block_size
     first = torch.tensor(starts[:-1], device=device)
     num_queries = torch.tensor(starts[1:], device=device) - first
-    offsets = torch.arange(int(num_queries.max()), device=device)
+    offsets = torch.arange(max(b - a for a, b in zip(starts, starts[1:])), device=device)
     valid = offsets[None, :] < num_queries[:, None]  # [S, Qmax]: real query rows
     rows = torch.where(valid, first[:, None] + offsets[None, :], 0)
     positions = torch.tensor(lens, device=device)[:, None] - num_queries[:, None] + offsets[None, :]

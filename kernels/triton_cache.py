@@ -60,9 +60,13 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    slot_range: tuple[int, int] | None = None,
 ) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their flat slots."""
-    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their flat slots.
+
+    ``slot_range`` (lowest, highest slot), known from host data, spares the check a device sync.
+    """
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping, slot_range)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_attention_inputs, check_decode
+from kernels.checks import HostTables, check_attention_inputs, check_decode
+from kernels.launch import choose_launch, shared_memory_bytes
 from kernels.triton_tiles import (
     LOG2_E,
     attend_tile,
@@ -146,10 +147,12 @@ def _decode_reduce_kernel(
 
 def plan_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, host: HostTables | None = None,
 ) -> int:
-    """Check the arguments of ``paged_attention_decode``; the plan is the longest context length."""
-    return check_decode(query, key_cache, value_cache, block_tables, context_lens)
+    """Check the arguments of ``paged_attention_decode``; the plan is the longest context length.
+
+    ``host`` holds host copies of the tables and lengths: planning from them reads nothing back."""
+    return check_decode(query, key_cache, value_cache, block_tables, context_lens, host)
 
 
 def paged_attention_decode(
@@ -178,7 +181,7 @@ def paged_attention_decode(
         return out
     group = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
-    tile = min(tile_tokens(head_dim_pad), PARTITION_SIZE)
+    tile = min(tile_tokens(head_dim_pad, key_cache.element_size()), PARTITION_SIZE)
     max_partitions = triton.cdiv(max_context_len, PARTITION_SIZE)
     single = max_partitions == 1
     partial_shape = (num_seqs, num_heads, max_partitions) if not single else (0,)
@@ -186,6 +189,10 @@ def paged_attention_decode(
     partial_sum = torch.empty_like(partial_max)
     partial_out = torch.empty(
         (*partial_shape, head_dim_pad), dtype=torch.float32, device=query.device
+    )
+    group_pad = max(MIN_DOT_ROWS, next_power_of_2(group))
+    launch = choose_launch(
+        group_pad, tile, head_dim_pad, key_cache.element_size(), shared_memory_bytes(query.device)
     )
     _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
         out, partial_out, partial_max, partial_sum,
@@ -195,7 +202,7 @@ def paged_attention_decode(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         num_heads, max_partitions,
         GROUP=group,
-        GROUP_PAD=max(MIN_DOT_ROWS, next_power_of_2(group)),
+        GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
@@ -204,6 +211,8 @@ def paged_attention_decode(
         SINGLE_PARTITION=single,
         DOT_DTYPE=dot_dtype(key_cache.dtype),
         DOT_PRECISION=dot_precision(key_cache.dtype),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](

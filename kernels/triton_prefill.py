@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_attention_inputs, check_prefill
+from kernels.checks import HostTables, check_attention_inputs, check_prefill
+from kernels.launch import choose_launch, shared_memory_bytes
 from kernels.triton_tiles import (
     LOG2_E,
     attend_tile,
@@ -98,9 +99,12 @@ def _prefill_kernel(
 def plan_prefill(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+    host: HostTables | None = None,
 ) -> list[int]:
-    """Check the arguments of ``paged_prefill_attention``; the plan is ``query_start_loc`` as a list."""
-    return check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)[1]
+    """Check the arguments of ``paged_prefill_attention``; the plan is ``query_start_loc`` as a list.
+
+    ``host`` holds host copies of the tables and offsets: planning from them reads nothing back."""
+    return check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, host)[1]
 
 
 def paged_prefill_attention(
@@ -129,6 +133,10 @@ def paged_prefill_attention(
     if max_queries == 0:
         return out
     head_dim_pad = next_power_of_2(head_dim)
+    tile = tile_tokens(head_dim_pad, key_cache.element_size())
+    launch = choose_launch(
+        BLOCK_M, tile, head_dim_pad, key_cache.element_size(), shared_memory_bytes(query.device)
+    )
     grid = (len(starts) - 1, num_heads, triton.cdiv(max_queries, BLOCK_M))
     _prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
@@ -140,8 +148,10 @@ def paged_prefill_attention(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_ROWS=BLOCK_M,
-        TILE=tile_tokens(head_dim_pad),
+        TILE=tile,
         DOT_DTYPE=dot_dtype(key_cache.dtype),
         DOT_PRECISION=dot_precision(key_cache.dtype),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out

@@ -23,9 +23,12 @@ def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
-def tile_tokens(head_dim_pad: int) -> int:
-    """Context positions per loop iteration: smaller for wide heads to bound register use."""
-    return 64 if head_dim_pad <= 128 else 32
+def tile_tokens(head_dim_pad: int, element_bytes: int) -> int:
+    """Context positions per loop iteration: smaller for wide heads to bound register use, and
+    for wide fp32 heads so that a K and a V tile (32 KiB) leave room for a second stage."""
+    if head_dim_pad <= 128:
+        return 64
+    return 32 if element_bytes <= 2 else 16
 
 
 def dot_precision(dtype: torch.dtype) -> str:

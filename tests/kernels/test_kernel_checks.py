@@ -1,4 +1,5 @@
-"""Both backends reject bad arguments with a ValueError naming the argument, before launch."""
+"""Both backends reject bad arguments with a ValueError naming the argument, before launch,
+whether they read the values from the device or from the caller's host copies."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.checks import HostTables
 
 
 @pytest.fixture(params=["reference", "triton"])
@@ -20,8 +22,15 @@ def case(make_case):
     return make_case([5, 20])
 
 
-def decode(backend, case, **override):
-    """Call decode with the case's arguments, some replaced."""
+@pytest.fixture(params=["device", "host"])
+def values_from(request):
+    """Where the checks read block ids and lengths: the device tensors or host copies of them."""
+    return request.param
+
+
+def decode(backend, case, values_from="device", **override):
+    """Call decode with the case's arguments, some replaced; planned from host copies of the
+    tables and lengths when ``values_from`` is "host"."""
     args = {
         "query": torch.randn(2, case.num_heads, 64),
         "key_cache": case.key_cache,
@@ -30,30 +39,39 @@ def decode(backend, case, **override):
         "context_lens": case.context_lens,
         "scale": 0.125,
     } | override
+    if values_from == "host":
+        host = HostTables(args["block_tables"].tolist(), args["context_lens"].tolist())
+        tensors = {k: v for k, v in args.items() if k != "scale"}
+        args["plan"] = backend.plan_decode(**tensors, host=host)
     return backend.paged_attention_decode(**args)
 
 
-def test_block_table_pointing_past_the_cache_is_rejected(backend, case):
+def test_host_planned_decode_equals_device_planned(backend, case, assert_matches):
+    query = torch.randn(2, case.num_heads, 64)
+    assert_matches(decode(backend, case, "host", query=query), decode(backend, case, query=query))
+
+
+def test_block_table_pointing_past_the_cache_is_rejected(backend, case, values_from):
     case.block_tables[1, 1] = case.key_cache.shape[0]
     with pytest.raises(ValueError, match="block_tables"):
-        decode(backend, case)
+        decode(backend, case, values_from)
 
 
-def test_negative_block_id_inside_the_context_is_rejected(backend, case):
+def test_negative_block_id_inside_the_context_is_rejected(backend, case, values_from):
     case.block_tables[0, 0] = -1
     with pytest.raises(ValueError, match="block_tables"):
-        decode(backend, case)
+        decode(backend, case, values_from)
 
 
-def test_context_longer_than_its_block_table_is_rejected(backend, case):
+def test_context_longer_than_its_block_table_is_rejected(backend, case, values_from):
     capacity = case.block_tables.shape[1] * case.key_cache.shape[1]
     with pytest.raises(ValueError, match="context_lens"):
-        decode(backend, case, context_lens=torch.tensor([5, capacity + 1], dtype=torch.int32))
+        decode(backend, case, values_from, context_lens=torch.tensor([5, capacity + 1], dtype=torch.int32))
 
 
-def test_empty_context_is_rejected(backend, case):
+def test_empty_context_is_rejected(backend, case, values_from):
     with pytest.raises(ValueError, match="context_lens"):
-        decode(backend, case, context_lens=torch.tensor([0, 3], dtype=torch.int32))
+        decode(backend, case, values_from, context_lens=torch.tensor([0, 3], dtype=torch.int32))
 
 
 def test_query_head_dim_must_match_the_cache(backend, case):
@@ -81,24 +99,27 @@ def test_one_table_row_per_sequence_is_required(backend, case):
         decode(backend, case, block_tables=case.block_tables[:1])
 
 
-def test_query_start_loc_must_cover_the_query(backend, case):
-    query = torch.randn(6, case.num_heads, 64)
-    starts = torch.tensor([0, 2, 5], dtype=torch.int32)
+def prefill(backend, case, num_tokens, starts, values_from):
+    """Call prefill over ``num_tokens`` query rows split at ``starts``, as ``decode`` does."""
+    args = (
+        torch.randn(num_tokens, case.num_heads, 64), case.key_cache, case.value_cache,
+        case.block_tables, torch.tensor(starts, dtype=torch.int32), case.context_lens,
+    )
+    plan = None
+    if values_from == "host":
+        host = HostTables(case.block_tables.tolist(), case.context_lens.tolist(), starts)
+        plan = backend.plan_prefill(*args, host=host)
+    return backend.paged_prefill_attention(*args, 0.125, plan=plan)
+
+
+def test_query_start_loc_must_cover_the_query(backend, case, values_from):
     with pytest.raises(ValueError, match="query_start_loc"):
-        backend.paged_prefill_attention(
-            query, case.key_cache, case.value_cache, case.block_tables, starts,
-            case.context_lens, 0.125,
-        )
+        prefill(backend, case, 6, [0, 2, 5], values_from)
 
 
-def test_more_queries_than_context_are_rejected(backend, case):
-    query = torch.randn(8, case.num_heads, 64)
-    starts = torch.tensor([0, 6, 8], dtype=torch.int32)
+def test_more_queries_than_context_are_rejected(backend, case, values_from):
     with pytest.raises(ValueError, match="context_lens"):
-        backend.paged_prefill_attention(
-            query, case.key_cache, case.value_cache, case.block_tables, starts,
-            case.context_lens, 0.125,
-        )
+        prefill(backend, case, 8, [0, 6, 8], values_from)
 
 
 def test_slot_past_the_cache_is_rejected(backend, case):
@@ -107,6 +128,15 @@ def test_slot_past_the_cache_is_rejected(backend, case):
     with pytest.raises(ValueError, match="slot_mapping"):
         backend.reshape_and_cache(
             key, key, case.key_cache, case.value_cache, torch.tensor([num_slots])
+        )
+
+
+def test_slot_range_past_the_cache_is_rejected_without_reading_the_slots(backend, case):
+    key = torch.randn(1, 2, 64)
+    num_slots = case.key_cache.shape[0] * case.key_cache.shape[1]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        backend.reshape_and_cache(
+            key, key, case.key_cache, case.value_cache, torch.tensor([0]), slot_range=(0, num_slots)
         )
 
 

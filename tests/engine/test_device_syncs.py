@@ -1,0 +1,106 @@
+"""A decode step reads device memory back once: the sampled tokens.
+
+On a CUDA device every read-back (``.item()``, ``.tolist()``, ``bool(tensor)``, boolean-mask
+indexing...) stalls the host until the GPU has caught up. This CPU test counts the calls that
+would do so, made by engine/ and kernels/ code during one decode step with the Triton backend
+(run by Triton's interpreter here; the interpreter's own copies are not the engine's).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+if not torch.cuda.is_available():
+    # must be set before kernels.triton_ops defines its kernels; the interpreter runs them on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+COUNTED_DIRS = (str(REPO / "engine") + os.sep, str(REPO / "kernels") + os.sep)
+TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
+# Tensor methods that copy device data to the host and so wait for the device.
+READ_BACKS = frozenset({
+    "item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
+    "nonzero", "masked_select", "unique", "any_", "equal", "allclose",
+})
+MASK_INDEXING = frozenset({"__getitem__", "__setitem__", "index_put_", "index_put"})
+
+
+def _is_mask(value: Any) -> bool:
+    """A boolean tensor (or a tuple holding one) used as an index: its size needs a read-back."""
+    if isinstance(value, tuple):
+        return any(_is_mask(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+def _caller(frame: FrameType | None) -> str | None:
+    """``file:line function`` of the first frame outside torch and this test, if it is engine/ or kernels/ code."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(TORCH_DIR) and name != __file__:
+            if name.startswith(COUNTED_DIRS):
+                return f"{Path(name).relative_to(REPO)}:{frame.f_lineno} {frame.f_code.co_name}"
+            return None
+        frame = frame.f_back
+    return None
+
+
+class ReadBackCounter(TorchFunctionMode):
+    """Counts, by call site, the torch calls from engine/ and kernels/ that read device data back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: Counter[str] = Counter()
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in READ_BACKS or (name in MASK_INDEXING and len(args) > 1 and _is_mask(args[1])):
+            site = _caller(sys._getframe(1))
+            if site is not None:
+                self.sites[f"{site} ({name})"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _engine_in_decode(folder: Path, num_seqs: int) -> LLM:
+    """An engine on the Triton backend whose ``num_seqs`` requests have all finished prefill."""
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend="triton",
+              block_size=8, device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        llm.engine.add_request(f"r{i}", list(range(10 + 7 * i, 30 + 9 * i)), params)
+    llm.engine.step()  # every prompt fits the token budget: one prefill step
+    return llm
+
+
+def test_a_decode_step_reads_back_only_the_sampled_tokens(tiny_model_dir: Path) -> None:
+    llm = _engine_in_decode(tiny_model_dir, num_seqs=3)
+    counter = ReadBackCounter()
+    with counter:
+        outputs = llm.engine.step()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2, 2]  # it was a decode step
+    assert sum(counter.sites.values()) <= 1, dict(counter.sites)
+    assert all(site.startswith("engine/sampler.py") for site in counter.sites), dict(counter.sites)
+
+
+def test_the_counter_sees_the_read_back_of_an_unplanned_decode() -> None:
+    # without a plan, decode must read the context lengths back to size its grid
+    from kernels import triton_ops
+
+    cache = torch.zeros(4, 8, 1, 16)
+    counter = ReadBackCounter()
+    with counter:
+        triton_ops.paged_attention_decode(
+            torch.zeros(1, 2, 16), cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 0.25,
+        )
+    assert sum(counter.sites.values()) == 1, dict(counter.sites)
+    assert all(site.startswith("kernels/checks.py") for site in counter.sites)
