@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from types import ModuleType
 
 import torch
 
@@ -33,50 +32,62 @@ def default_kv_cache_bytes(device: torch.device, utilization: float) -> int:
     return int(available * 0.1)
 
 
+def _split(mapping: BlockMapping, num_src: int, num_dst: int) -> tuple[list[int], list[int]]:
+    """The source and destination ids of ``(src, dst)`` pairs, checked on the host (no device sync)."""
+    src, dst = [pair[0] for pair in mapping], [pair[1] for pair in mapping]
+    for name, ids, limit in (("source", src, num_src), ("destination", dst, num_dst)):
+        if min(ids) < 0 or max(ids) >= limit:
+            raise ValueError(f"block mapping {name} ids must be in [0, {limit}), got {min(ids)}..{max(ids)}")
+    return src, dst
+
+
 class CacheEngine:
-    """Per layer ``(key, value)`` tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """The device cache ``[layers, 2 (key, value), blocks, block_size, kv_heads, head_dim]`` and a
+    host swap pool of the same blocks, block-major ``[blocks, layers, 2, ...]``.
+
+    ``gpu_cache`` gives the model per-layer ``(key, value)`` views. On the device, a move is one
+    gather or scatter over all layers and both K and V; across, one copy per block carries all its
+    layers. On CUDA the host pool is pinned and those copies are non-blocking, ordered on the
+    current stream: a swap-in reads a host block after the swap-out that wrote it, no host sync.
+    """
 
     def __init__(
         self, num_layers: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
-        num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, ops: ModuleType,
+        num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
     ) -> None:
-        self.ops = ops
         self.device = device
-        gpu_shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        pin = device.type == "cuda"
-        self.gpu_cache = [
-            (torch.zeros(gpu_shape, dtype=dtype, device=device), torch.zeros(gpu_shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
-        self.cpu_cache = [
-            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(num_layers)
-        ]
-
-    @staticmethod
-    def _as_tensor(mapping: BlockMapping) -> torch.Tensor:
-        return torch.tensor(mapping, dtype=torch.long).view(-1, 2)
+        block_shape = (block_size, num_kv_heads, head_dim)
+        self.gpu_kv = torch.zeros((num_layers, 2, num_gpu_blocks, *block_shape), dtype=dtype, device=device)
+        self.gpu_cache = [(layer[0], layer[1]) for layer in self.gpu_kv]
+        # block-major, so one swapped block is one contiguous run of every layer's keys and values
+        self.cpu_kv = torch.zeros(
+            (num_cpu_blocks, num_layers, 2, *block_shape), dtype=dtype, pin_memory=device.type == "cuda"
+        )
 
     def swap_out(self, mapping: BlockMapping) -> None:
         """Copy device blocks to their CPU slots ``(gpu, cpu)``."""
-        self._swap(self.gpu_cache, self.cpu_cache, mapping)
+        if not mapping:
+            return
+        src, dst = _split(mapping, self.gpu_kv.shape[2], self.cpu_kv.shape[0])
+        src_ids = torch.tensor(src, device=self.device)
+        blocks = self.gpu_kv.index_select(2, src_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+        for row, block in enumerate(dst):  # one non-blocking copy per block into the pinned pool
+            self.cpu_kv[block].copy_(blocks[row], non_blocking=True)
 
     def swap_in(self, mapping: BlockMapping) -> None:
         """Copy CPU blocks back to their device slots ``(cpu, gpu)``."""
-        self._swap(self.cpu_cache, self.gpu_cache, mapping)
-
-    def _swap(self, src: list, dst: list, mapping: BlockMapping) -> None:
         if not mapping:
             return
-        pairs = self._as_tensor(mapping)
-        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
-            self.ops.swap_blocks(src_k, dst_k, pairs)
-            self.ops.swap_blocks(src_v, dst_v, pairs)
+        src, dst = _split(mapping, self.cpu_kv.shape[0], self.gpu_kv.shape[2])
+        blocks = torch.empty((len(src), *self.cpu_kv.shape[1:]), dtype=self.cpu_kv.dtype, device=self.device)
+        for row, block in enumerate(src):  # one non-blocking copy per block from the pinned pool
+            blocks[row].copy_(self.cpu_kv[block], non_blocking=True)
+        self.gpu_kv.index_copy_(2, torch.tensor(dst, device=self.device), blocks.permute(1, 2, 0, 3, 4, 5))
 
     def copy(self, mapping: BlockMapping) -> None:
         """Copy-on-write: duplicate device blocks ``(src, dst)`` in every layer."""
         if not mapping:
             return
-        pairs = self._as_tensor(mapping).to(self.device)
-        self.ops.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], pairs)
+        num_blocks = self.gpu_kv.shape[2]
+        src_ids, dst_ids = torch.tensor(_split(mapping, num_blocks, num_blocks), device=self.device)
+        self.gpu_kv.index_copy_(2, dst_ids, self.gpu_kv.index_select(2, src_ids))

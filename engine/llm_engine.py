@@ -110,7 +110,7 @@ class LLMEngine:
         )
         self.cache = CacheEngine(
             len(model.layers), self.num_gpu_blocks, self.num_cpu_blocks, cfg.block_size,
-            model.num_kv_heads, model.head_dim, self.dtype, self.device, self.ops,
+            model.num_kv_heads, model.head_dim, self.dtype, self.device,
         )
 
     # ---- requests ------------------------------------------------------------------
