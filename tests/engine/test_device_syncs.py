@@ -71,25 +71,38 @@ class ReadBackCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _engine_in_decode(folder: Path, num_seqs: int) -> LLM:
-    """An engine on the Triton backend whose ``num_seqs`` requests have all finished prefill."""
+def _engine_with_requests(folder: Path, num_seqs: int) -> LLM:
+    """An engine on the Triton backend holding ``num_seqs`` greedy requests, not yet stepped."""
     llm = LLM(model=str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend="triton",
               block_size=8, device="cpu")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         llm.engine.add_request(f"r{i}", list(range(10 + 7 * i, 30 + 9 * i)), params)
-    llm.engine.step()  # every prompt fits the token budget: one prefill step
     return llm
 
 
-def test_a_decode_step_reads_back_only_the_sampled_tokens(tiny_model_dir: Path) -> None:
-    llm = _engine_in_decode(tiny_model_dir, num_seqs=3)
+def _step_counting(llm: LLM) -> tuple[list[int], Counter[str]]:
+    """One step's number of tokens per request, and its read-backs by call site."""
     counter = ReadBackCounter()
     with counter:
         outputs = llm.engine.step()
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2, 2]  # it was a decode step
-    assert sum(counter.sites.values()) <= 1, dict(counter.sites)
-    assert all(site.startswith("engine/sampler.py") for site in counter.sites), dict(counter.sites)
+    return [len(o.outputs[0].token_ids) for o in outputs], counter.sites
+
+
+def test_a_prefill_step_reads_back_only_the_sampled_tokens(tiny_model_dir: Path) -> None:
+    lengths, sites = _step_counting(_engine_with_requests(tiny_model_dir, num_seqs=3))
+    assert lengths == [1, 1, 1]  # every prompt fit the token budget: one prefill step
+    assert sum(sites.values()) <= 1, dict(sites)
+    assert all(site.startswith("engine/sampler.py") for site in sites), dict(sites)
+
+
+def test_a_decode_step_reads_back_only_the_sampled_tokens(tiny_model_dir: Path) -> None:
+    llm = _engine_with_requests(tiny_model_dir, num_seqs=3)
+    llm.engine.step()
+    lengths, sites = _step_counting(llm)
+    assert lengths == [2, 2, 2]  # it was a decode step
+    assert sum(sites.values()) <= 1, dict(sites)
+    assert all(site.startswith("engine/sampler.py") for site in sites), dict(sites)
 
 
 def test_the_counter_sees_the_read_back_of_an_unplanned_decode() -> None:
