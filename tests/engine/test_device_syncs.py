@@ -117,3 +117,28 @@ def test_the_counter_sees_the_read_back_of_an_unplanned_decode() -> None:
         )
     assert sum(counter.sites.values()) == 1, dict(counter.sites)
     assert all(site.startswith("kernels/checks.py") for site in counter.sites)
+
+
+def test_steps_that_swap_and_copy_blocks_read_back_only_the_sampled_tokens(tiny_model_dir: Path) -> None:
+    # ten 8-token blocks cannot hold three requests of two samples each: sequences are swapped
+    # out and in, and each sample's first write to its shared last block copies it
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=10 * 4096, attention_backend="triton",
+              block_size=8, device="cpu", watermark=0.0, preemption_mode="swap")
+    params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=0, ignore_eos=True)
+    for i in range(3):
+        llm.engine.add_request(f"r{i}", list(range(10 + 5 * i, 30 + 5 * i)), params)
+    copies: list[list[tuple[int, int]]] = []
+    copy = llm.engine.cache.copy
+
+    def recording_copy(mapping: list[tuple[int, int]]) -> None:
+        copies.append(mapping)
+        copy(mapping)
+
+    llm.engine.cache.copy = recording_copy  # type: ignore[method-assign]
+    read_backs = []
+    while llm.engine.has_unfinished_requests():
+        read_backs.append(sum(_step_counting(llm)[1].values()))
+    stats = llm.engine.stats()
+    assert stats.num_blocks_swapped_out > 0 and stats.num_blocks_swapped_in > 0
+    assert any(copies)
+    assert max(read_backs) <= 1, read_backs
