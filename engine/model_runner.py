@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -49,6 +51,19 @@ class StagingBuffer:
         return staged.to(self.device, non_blocking=True)
 
 
+@dataclass(slots=True)
+class HostStep:
+    """One step's flattened batch built on the host (decodes first), and the kernels' host copies."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    sampled_rows: list[int]
+    sampled: list[ScheduledSeq]
+    decode: HostTables
+    prefill: HostTables
+
+
 class ModelRunner:
     """Builds ``input_ids``, ``positions``, ``slot_mapping`` and block tables once per step, on the
     host, and sends them to the device in one transfer."""
@@ -65,50 +80,60 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one forward pass; returns the logits of every sequence that reached its last
         token, and those sequences in the same order."""
+        step = self._host_step(scheduled)
+        input_ids, positions, meta, sampled_rows = self._upload(step)
+        hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
+        return self.model.compute_logits(hidden.index_select(0, sampled_rows)), step.sampled
+
+    def _host_step(self, scheduled: list[ScheduledSeq]) -> HostStep:
+        """The flattened batch on the host, decodes first: one Python pass over the sequences."""
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        tables = [self.block_manager.tables[s.seq.seq_id] for s in ordered]
+        tables = [self.block_manager.tables[s.seq.seq_id] for s in decodes + prefills]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start = [0]
+        prefill_starts = [0]
         sampled_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
-        for s, table in zip(ordered, tables):
+        for s, table in zip(decodes + prefills, tables):
             start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
             input_ids += s.seq.token_ids[start:end]
             positions += range(start, end)
             slots += _slots(table, start, end, self.block_size)
-            query_start.append(query_start[-1] + s.num_new_tokens)
+            if s.num_new_tokens > 1:
+                prefill_starts.append(prefill_starts[-1] + s.num_new_tokens)
             # the last token of a sequence that now covers all its tokens yields the next token
             if end == s.seq.num_tokens:
-                sampled_rows.append(query_start[-1] - 1)
+                sampled_rows.append(len(input_ids) - 1)
                 sampled.append(s)
-        num_decodes = len(decodes)
-        decode_host = HostTables(tables[:num_decodes], [s.seq.num_computed_tokens + 1 for s in decodes])
-        prefill_starts = [start - num_decodes for start in query_start[num_decodes:]]
-        prefill_host = HostTables(
-            tables[num_decodes:], [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], prefill_starts,
+        decode = HostTables(tables[: len(decodes)], [s.seq.num_computed_tokens + 1 for s in decodes])
+        prefill = HostTables(
+            tables[len(decodes) :], [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], prefill_starts,
         )
-        decode_tables, decode_width = _padded(decode_host.block_tables)
-        prefill_tables, prefill_width = _padded(prefill_host.block_tables)
-        fields = [input_ids, positions, slots, decode_tables, decode_host.context_lens, prefill_tables,
-                  prefill_starts, prefill_host.context_lens, sampled_rows]
-        device_fields = self.staging.upload([v for field in fields for v in field]).split([len(f) for f in fields])
-        (ids, pos, slot_mapping, decode_tables_dev, decode_lens, prefill_tables_dev, prefill_starts_dev,
-         prefill_lens, rows) = device_fields
+        return HostStep(input_ids, positions, slots, sampled_rows, sampled, decode, prefill)
+
+    def _upload(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """``input_ids``, ``positions``, the attention metadata and the sampled rows on the device,
+        from one transfer."""
+        num_decodes, num_prefills = len(step.decode.context_lens), len(step.prefill.context_lens)
+        decode_tables, decode_width = _padded(step.decode.block_tables)
+        prefill_tables, prefill_width = _padded(step.prefill.block_tables)
+        fields = [step.input_ids, step.positions, step.slots, decode_tables, step.decode.context_lens,
+                  prefill_tables, step.prefill.query_start_loc, step.prefill.context_lens, step.sampled_rows]
+        uploaded = self.staging.upload([value for part in fields for value in part])
+        (input_ids, positions, slot_mapping, decode_tables_dev, decode_lens, prefill_tables_dev, prefill_starts,
+         prefill_lens, sampled_rows) = uploaded.split([len(part) for part in fields])
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            slot_range=(min(slots, default=0), max(slots, default=0)),
+            slot_range=(min(step.slots, default=0), max(step.slots, default=0)),
             num_decode_tokens=num_decodes,
             decode_block_tables=decode_tables_dev.to(torch.int32).view(num_decodes, decode_width),
             decode_context_lens=decode_lens.to(torch.int32),
-            decode_host=decode_host,
-            prefill_block_tables=prefill_tables_dev.to(torch.int32).view(len(prefills), prefill_width),
-            prefill_query_start_loc=prefill_starts_dev.to(torch.int32),
+            decode_host=step.decode,
+            prefill_block_tables=prefill_tables_dev.to(torch.int32).view(num_prefills, prefill_width),
+            prefill_query_start_loc=prefill_starts.to(torch.int32),
             prefill_context_lens=prefill_lens.to(torch.int32),
-            prefill_host=prefill_host,
+            prefill_host=step.prefill,
         )
-        hidden = self.model(ids, pos, self.cache.gpu_cache, meta)
-        return self.model.compute_logits(hidden.index_select(0, rows)), sampled
+        return input_ids, positions, meta, sampled_rows
