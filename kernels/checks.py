@@ -184,10 +184,11 @@ def _check_host_values(key_cache: torch.Tensor, block_tables: torch.Tensor, host
         high <= capacity,
         f"context_lens must be <= block_tables capacity of {capacity} tokens, got {high}",
     )
-    in_use = [block for row, n in zip(host.block_tables, lens) for block in row[: -(-n // block_size)]]
+    # Only the blocks a context uses must be valid; the rest of a row is padding.
+    blocks_in_use = [(n + block_size - 1) // block_size for n in lens]
+    in_use = [block for row, count in zip(host.block_tables, blocks_in_use) for block in row[:count]]
     _require(
-        len(in_use) == sum(-(-n // block_size) for n in lens)
-        and min(in_use) >= 0 and max(in_use) < num_blocks,
+        len(in_use) == sum(blocks_in_use) and min(in_use) >= 0 and max(in_use) < num_blocks,
         f"block_tables point past the cache: blocks in use must be in [0, {num_blocks})",
     )
     return high
@@ -236,7 +237,10 @@ def check_prefill(
     _require(num_seqs >= 0, "query_start_loc must hold num_seqs + 1 offsets")
     _check_table_shapes(key_cache, block_tables, context_lens, num_seqs)
     if host is not None:
-        _require(host.query_start_loc is not None, "host copies of a prefill need query_start_loc")
+        _require(
+            host.query_start_loc is not None and len(host.query_start_loc) == num_seqs + 1,
+            f"host copies of a prefill need query_start_loc of {num_seqs + 1} offsets",
+        )
         max_context_len, starts = _check_host_values(key_cache, block_tables, host), host.query_start_loc
         too_many_queries = any(
             end - start > n for start, end, n in zip(starts, starts[1:], host.context_lens)

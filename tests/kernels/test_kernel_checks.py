@@ -156,3 +156,13 @@ def test_swap_between_different_block_shapes_is_rejected(backend, case):
     other = torch.zeros(4, 8, 2, 64)
     with pytest.raises(ValueError, match="block shape"):
         backend.swap_blocks(case.key_cache, other, torch.tensor([[0, 0]]))
+
+
+def test_host_copies_must_hold_one_offset_per_sequence_and_one_more(backend, case):
+    query = torch.randn(6, case.num_heads, 64)
+    starts = torch.tensor([0, 2, 6], dtype=torch.int32)
+    host = HostTables(case.block_tables.tolist(), case.context_lens.tolist(), [0, 6])
+    with pytest.raises(ValueError, match="query_start_loc"):
+        backend.plan_prefill(
+            query, case.key_cache, case.value_cache, case.block_tables, starts, case.context_lens, host=host
+        )
