@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -137,10 +139,22 @@ def _is_number(text: str) -> bool:
 
 
 _override: Settings | None = None
+logger = logging.getLogger("pagedserve.settings")
+# PAGEDSERVE_ variables read outside Settings: the CLI's API key, the kernels' backend override
+_READ_ELSEWHERE = frozenset({"PAGEDSERVE_API_KEY", "PAGEDSERVE_ATTENTION_BACKEND"})
+
+
+def unknown_environment_names() -> list[str]:
+    """PAGEDSERVE_ variables that nothing reads: misspelt, or settings that were removed."""
+    known = {f"PAGEDSERVE_{name.upper()}" for name in Settings.model_fields} | _READ_ELSEWHERE
+    return sorted(name for name in os.environ if name.startswith("PAGEDSERVE_") and name not in known)
 
 
 @lru_cache(maxsize=1)
 def _from_env() -> Settings:
+    unknown = unknown_environment_names()
+    if unknown:  # pydantic-settings ignores them silently; a removed setting must not pass unnoticed
+        logger.warning("settings.unknown_environment names=%s: not read by any setting", ",".join(unknown))
     return Settings()
 
 

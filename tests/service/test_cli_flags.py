@@ -12,7 +12,7 @@ import pytest
 
 from api import cli
 from api.cli_flags import API_ONLY, WORKER_ONLY
-from api.settings import Settings, configure
+from api.settings import Settings, configure, get_settings
 from worker.service import engine_kwargs
 
 
@@ -167,3 +167,18 @@ def test_a_swap_space_set_by_model_copy_reaches_a_child(monkeypatch: pytest.Monk
     copied = Settings().model_copy(update={"swap_space": "1MiB"})  # model_copy does not validate
     monkeypatch.setenv("PAGEDSERVE_SWAP_SPACE", cli.settings_env(copied)["PAGEDSERVE_SWAP_SPACE"])
     assert Settings().swap_space == 1 << 20
+
+
+def test_an_unknown_pagedserve_variable_is_named_in_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PAGEDSERVE_WEBHOOK_SECRET", "removed-setting")  # per-key secrets replaced it
+    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_SEQ", "8")  # misspelt max_num_seqs
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "read by the CLI, not by Settings")
+    configure(None)
+    with caplog.at_level("WARNING", logger="pagedserve.settings"):
+        get_settings()
+    configure(None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "settings.unknown_environment names=PAGEDSERVE_MAX_NUM_SEQ,PAGEDSERVE_WEBHOOK_SECRET: not read by any setting"
+    ]
