@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -47,8 +49,9 @@ class CacheEngine:
 
     ``gpu_cache`` gives the model per-layer ``(key, value)`` views. On the device, a move is one
     gather or scatter over all layers and both K and V; across, one copy per block carries all its
-    layers. On CUDA the host pool is pinned and those copies are non-blocking, ordered on the
-    current stream: a swap-in reads a host block after the swap-out that wrote it, no host sync.
+    layers. On CUDA the host pool is pinned and those copies are non-blocking, all on one side
+    stream: in its order, a swap-in reads a host block after the swap-out that wrote it, and the
+    step's stream waits only for swap-ins (a swap-out's copy overlaps the forward pass). No host sync.
     """
 
     def __init__(
@@ -63,6 +66,20 @@ class CacheEngine:
         self.cpu_kv = torch.zeros(
             (num_cpu_blocks, num_layers, 2, *block_shape), dtype=dtype, pin_memory=device.type == "cuda"
         )
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextmanager
+    def _host_copies(self, *device_tensors: torch.Tensor) -> Iterator[None]:
+        """Run copies to and from the host pool on the side stream, after the work queued so far
+        (the gathers); ``device_tensors`` made on the step's stream stay allocated until they ran."""
+        if self.copy_stream is None:
+            yield
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for tensor in device_tensors:
+            tensor.record_stream(self.copy_stream)
+        with torch.cuda.stream(self.copy_stream):
+            yield
 
     def swap_out(self, mapping: BlockMapping) -> None:
         """Copy device blocks to their CPU slots ``(gpu, cpu)``."""
@@ -71,8 +88,9 @@ class CacheEngine:
         src, dst = _split(mapping, self.gpu_kv.shape[2], self.cpu_kv.shape[0])
         src_ids = torch.tensor(src, device=self.device)
         blocks = self.gpu_kv.index_select(2, src_ids).permute(2, 0, 1, 3, 4, 5).contiguous()
-        for row, block in enumerate(dst):  # one non-blocking copy per block into the pinned pool
-            self.cpu_kv[block].copy_(blocks[row], non_blocking=True)
+        with self._host_copies(blocks):
+            for row, block in enumerate(dst):  # one non-blocking copy per block into the pinned pool
+                self.cpu_kv[block].copy_(blocks[row], non_blocking=True)
 
     def swap_in(self, mapping: BlockMapping) -> None:
         """Copy CPU blocks back to their device slots ``(cpu, gpu)``."""
@@ -80,8 +98,11 @@ class CacheEngine:
             return
         src, dst = _split(mapping, self.cpu_kv.shape[0], self.gpu_kv.shape[2])
         blocks = torch.empty((len(src), *self.cpu_kv.shape[1:]), dtype=self.cpu_kv.dtype, device=self.device)
-        for row, block in enumerate(src):  # one non-blocking copy per block from the pinned pool
-            blocks[row].copy_(self.cpu_kv[block], non_blocking=True)
+        with self._host_copies(blocks):
+            for row, block in enumerate(src):  # one non-blocking copy per block from the pinned pool
+                blocks[row].copy_(self.cpu_kv[block], non_blocking=True)
+        if self.copy_stream is not None:  # the scatter below, and the step, need the blocks
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self.gpu_kv.index_copy_(2, torch.tensor(dst, device=self.device), blocks.permute(1, 2, 0, 3, 4, 5))
 
     def copy(self, mapping: BlockMapping) -> None:

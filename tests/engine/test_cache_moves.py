@@ -9,12 +9,15 @@ from engine.cache_engine import CacheEngine
 from kernels import reference
 
 NUM_LAYERS = 3
+CUDA = torch.cuda.is_available()
+# on CUDA the host copies run on a side stream with a pinned pool: compare after they finished
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])
 
 
-@pytest.fixture
-def cache() -> CacheEngine:
-    """A CPU cache engine of 3 layers, 10 device and 6 host blocks, filled with random values."""
-    engine = CacheEngine(NUM_LAYERS, 10, 6, 4, 2, 8, torch.float32, torch.device("cpu"))
+@pytest.fixture(params=["cpu", GPU])
+def cache(request: pytest.FixtureRequest) -> CacheEngine:
+    """A cache engine of 3 layers, 10 device and 6 host blocks, filled with random values."""
+    engine = CacheEngine(NUM_LAYERS, 10, 6, 4, 2, 8, torch.float32, torch.device(request.param))
     engine.gpu_kv.normal_()
     engine.cpu_kv.normal_()
     return engine
@@ -22,6 +25,8 @@ def cache() -> CacheEngine:
 
 def per_layer(cache: CacheEngine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Copies of the device and host pools as one tensor per layer and K/V, the per-layer layout."""
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)  # the host pool is written asynchronously
     device = [part.clone() for layer in cache.gpu_kv for part in layer]
     host = [cache.cpu_kv[:, layer, part].clone() for layer in range(NUM_LAYERS) for part in (0, 1)]
     return device, host
