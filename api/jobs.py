@@ -28,10 +28,14 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
     """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context."""
     model = prompt_model()
     messages = [m.model_dump() for m in body.messages] if body.messages else None
-    field = "prompt" if messages is None else "messages"
+    field = "messages" if messages else "prompt_token_ids" if body.prompt_token_ids else "prompt"
     try:
-        prompt = body.prompt if messages is None else model.render_chat(messages)
-        num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field=field_prefix + field)
+        if body.prompt_token_ids:  # kept as ids for the engine; the text is for reading back (echo, GET)
+            num_prompt_tokens = model.check_fits_ids(body.prompt_token_ids, body.max_tokens, field_prefix + field)
+            prompt = model.tokenizer.decode(body.prompt_token_ids, skip_special_tokens=False)
+        else:
+            prompt = body.prompt if messages is None else model.render_chat(messages)
+            num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field=field_prefix + field)
     except ValueError as exc:
         raise ApiError(422, str(exc), field_prefix + field) from exc
     try:
@@ -47,6 +51,7 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
         api_key_id=key.id,
         status=JobStatus.queued,
         prompt=prompt,
+        prompt_token_ids=body.prompt_token_ids,
         messages=messages,
         params=body.sampling_params(),
         priority=body.priority,

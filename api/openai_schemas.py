@@ -143,12 +143,12 @@ class CompletionRequest(OpenAIRequest):
         return list(self.prompt)
 
     def to_jobs(self) -> list[JobCreate]:
-        """One job per prompt; token-id prompts are checked against the vocabulary and decoded to text."""
+        """One job per prompt; token-id prompts reach the engine as the ids given."""
         prompts = self.prompts()
         if self.echo and self.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (prompt tokens have no logprobs here)", "echo")
         return [self._job(COMPLETIONS, self.max_tokens, self.logprobs,
-                          prompt=_prompt_text(p, "prompt" if len(prompts) == 1 else f"prompt.{i}"))
+                          **_prompt_field(p, "prompt" if len(prompts) == 1 else f"prompt.{i}"))
                 for i, p in enumerate(prompts)]
 
     def to_job(self) -> JobCreate:
@@ -162,16 +162,15 @@ class CompletionRequest(OpenAIRequest):
         return {"openai_echo": True} if self.echo else {}
 
 
-def _prompt_text(prompt: str | list[int], field: str) -> str:
-    """A prompt as text; token ids are decoded (the engine tokenizes the text again)."""
+def _prompt_field(prompt: str | list[int], field: str) -> dict[str, str | list[int]]:
+    """The job field of one prompt: text, or token ids checked against the vocabulary (named as OpenAI's field)."""
     if isinstance(prompt, str):
-        return prompt
-    model = prompt_model()
+        return {"prompt": prompt}
     try:
-        model.check_token_ids(prompt, field)
+        prompt_model().check_token_ids(prompt, field)
     except ValueError as exc:
         raise ApiError(400, str(exc), field) from exc
-    return model.tokenizer.decode(prompt, skip_special_tokens=False)
+    return {"prompt_token_ids": prompt}
 
 
 class TextPart(BaseModel):

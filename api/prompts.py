@@ -71,7 +71,10 @@ class PromptModel:
 
     def check_fits(self, prompt: str, max_tokens: int, field: str = "prompt") -> int:
         """The prompt's token count; PromptTooLongError past the context, TokenIdError for ids past the vocabulary."""
-        token_ids = self.tokenizer.encode(prompt).ids
+        return self.check_fits_ids(self.tokenizer.encode(prompt).ids, max_tokens, field)
+
+    def check_fits_ids(self, token_ids: list[int], max_tokens: int, field: str = "prompt") -> int:
+        """``check_fits`` for a prompt given as token ids."""
         self.check_token_ids(token_ids, field)
         num_tokens = len(token_ids)
         if num_tokens + max_tokens > self.max_model_len:

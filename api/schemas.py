@@ -90,6 +90,8 @@ class JobCreate(SamplingParamsIn):
     """Body of POST /v1/jobs: a prompt or chat messages, sampling parameters and delivery options."""
 
     prompt: NulFreeStr | None = Field(None, min_length=1, max_length=400_000)
+    prompt_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=131_072, description="the prompt as token ids, passed to the engine as given")
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-1000, le=1000)
     metadata: dict[NulFreeStr, MetadataValue] | None = Field(None, max_length=32)
@@ -97,8 +99,8 @@ class JobCreate(SamplingParamsIn):
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> JobCreate:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+        if sum(value is not None for value in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
         return self
 
     def sampling_params(self) -> dict[str, Any]:

@@ -111,7 +111,7 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
     redis = streams.redis_client()
     if job.attempts > 1:  # a redelivered job starts over: its stream must not mix two attempts
         streams.publish_restart(redis, job_id, job.attempts)
-    handle = service.submit(request_id, job.prompt, params, job.priority)
+    handle = service.submit(request_id, job.prompt_token_ids or job.prompt, params, job.priority)
     progress = _Progress()
     next_cancel_check = 0.0
     while True:

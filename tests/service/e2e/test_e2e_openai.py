@@ -229,6 +229,20 @@ def test_token_id_prompts_complete_like_their_text(
     assert by_ids.usage.prompt_tokens == 2 * len(ids)
 
 
+def test_token_id_prompts_reach_the_engine_as_given_not_retokenized(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    def tokenize(text: str) -> list[int]:
+        return httpx.post(f"{live_api}/tokenize", json={"prompt": text}, headers=auth_headers).json()["tokens"]
+
+    split = tokenize("The quick brown") + tokenize(" f") + tokenize("ox")  # " fox" in two pieces
+    assert len(split) > len(tokenize("The quick brown fox"))  # the same text, which encodes shorter
+    completion = openai_client.completions.create(model=model, prompt=split, max_tokens=2, temperature=0.0)
+    assert completion.usage.prompt_tokens == len(split)
+    job = httpx.get(f"{live_api}/v1/jobs/{completion.id.removeprefix('cmpl-')}", headers=auth_headers).json()
+    assert job["prompt_tokens"] == len(split) and job["prompt"] == "The quick brown fox"
+
+
 def test_echo_starts_the_text_with_the_prompt(
     openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
 ) -> None:
