@@ -46,10 +46,11 @@ def test_stop_token_id_ends_generation_including_it(llm: LLM) -> None:
 
 def test_min_tokens_suppresses_stops_until_reached(llm: LLM) -> None:
     full = greedy(llm)
-    stop_token = full.token_ids[0]
+    stop_token = full.token_ids[5]  # greedy's choice at the sixth output, the last one min_tokens=6 covers
+    assert full.token_ids.index(stop_token) == 5
     out = greedy(llm, stop_token_ids=[stop_token], min_tokens=6)
-    assert len(out.token_ids) >= 6
-    assert stop_token not in out.token_ids[:6]
+    assert out.token_ids[:5] == full.token_ids[:5]
+    assert len(out.token_ids) >= 6 and stop_token not in out.token_ids[:6]
     if out.finish_reason == "stop":
         assert out.token_ids[-1] == stop_token and stop_token not in out.token_ids[:-1]
 
