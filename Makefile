@@ -19,10 +19,12 @@ run: install
 
 test: install
 	./scripts/ensure-services.sh
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -ra
 
 test-fast: install
 	./scripts/ensure-services.sh
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
 clean:

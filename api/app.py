@@ -7,9 +7,8 @@ from fastapi import FastAPI
 from api.errors import configure_logging, install_error_handlers
 from api.limits import UPLOAD_OVERHEAD_BYTES, BodySizeLimit
 from api.metrics import HttpLatencyMiddleware
-from api.routes import events, health, jobs
+from api.routes import events, health, jobs, openai_batch, openai_inference, tokenize, version
 from api.routes import metrics as metrics_route
-from api.routes import openai_batch, openai_inference, tokenize, version
 from api.settings import Settings, configure, get_settings
 
 

@@ -48,7 +48,8 @@ def create_api_key(session: Session, name: str) -> tuple[ApiKey, str]:
 
 
 def rotate_api_key(session: Session, key: ApiKey, token: bool) -> str | None:
-    """Give a live key a new webhook secret and, when token is true, a new bearer token (returned; the old one stops)."""
+    """Give a live key a new webhook secret and, when token is true, a new bearer token (returned; the old one
+    stops)."""
     if key.revoked_at is not None:
         raise ValueError(f"API key {key.id} was revoked at {key.revoked_at:%Y-%m-%d %H:%M:%S} UTC; create a new one")
     key.webhook_secret = new_webhook_secret()

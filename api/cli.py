@@ -156,7 +156,6 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
 def _parser() -> argparse.ArgumentParser:
     from api.client import add_client_commands
     from api.key_commands import add_key_commands
-
     from api.routes.version import pagedserve_version
 
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
@@ -84,7 +84,7 @@ def retry_delay_s(response: httpx.Response | None, attempt: int) -> float:
     except ValueError:
         pass
     try:
-        return max(0.0, (parsedate_to_datetime(header) - datetime.now(timezone.utc)).total_seconds())
+        return max(0.0, (parsedate_to_datetime(header) - datetime.now(UTC)).total_seconds())
     except (TypeError, ValueError):
         return min(MAX_BACKOFF_S, 0.5 * 2**attempt)
 

@@ -9,8 +9,8 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from api import queue, streams
-from api.metrics import JOBS_FINISHED, JOBS_SUBMITTED, record_job_latencies
 from api.errors import log_event
+from api.metrics import JOBS_FINISHED, JOBS_SUBMITTED, record_job_latencies
 from api.models import Job, JobStatus, WebhookDelivery, utcnow
 
 logger = logging.getLogger("pagedserve.jobs")

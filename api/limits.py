@@ -6,7 +6,6 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-
 # Room for the multipart framing around an uploaded file.
 UPLOAD_OVERHEAD_BYTES = 64 * 1024
 

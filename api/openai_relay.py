@@ -18,7 +18,7 @@ from api.errors import ApiError
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
 from api.models import ApiKey, Job, JobStatus
 from api.openai_errors import error_object
-from api.openai_responses import chunk, choice_index, delta_choice, echoed_prompt, final_choices, total_usage, usage
+from api.openai_responses import choice_index, chunk, delta_choice, echoed_prompt, final_choices, total_usage, usage
 from api.openai_schemas import CHAT_COMPLETIONS, StreamOptions
 
 DISCONNECT_CHECK_S = 0.5

@@ -38,7 +38,8 @@ class Settings(BaseSettings):
     block_size: int = Field(16, ge=1, description="KV block size in tokens")
     preemption_mode: Literal["swap", "recompute"] = Field("swap", description="how the engine preempts")
     attention_backend: Literal["triton", "torch"] | None = Field(None, description="attention implementation")
-    num_threads: int | None = Field(None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
+    num_threads: int | None = Field(
+        None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
     cpu_weight_packing: Literal["auto", "exact", "off"] = Field(
         "auto", description="oneDNN-prepacked weights on the CPU: auto = fp32 and bf16 (fastest), exact = bf16 only "
         "(tokens equal transformers')")
@@ -75,11 +76,13 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="log lines as text or as one JSON object each")
     shutdown_grace_s: float = Field(
         30.0, ge=0, description="on SIGTERM a worker finishes running jobs this long, then requeues the rest")
-    reconcile_grace_s: float = Field(30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
+    reconcile_grace_s: float = Field(
+        30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
     # Longer than any job may run: a message is redelivered after this long even while its worker still runs
     # it (the runner then refuses the second claim while the holder's heartbeat is alive).
     broker_visibility_timeout_s: float = Field(
-        6 * 3600.0, gt=0, description="a job message taken by a worker that died unacknowledged is redelivered after this long")
+        6 * 3600.0, gt=0,
+        description="a job message taken by a worker that died unacknowledged is redelivered after this long")
     rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
     max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
     batch_priority: int = Field(500, ge=-1000, le=1000, description="priority of Batch API jobs (lower runs "

@@ -59,5 +59,6 @@ def resolve_webhook_url(url: str, allow_private: bool) -> WebhookTarget:
 
 
 def check_webhook_url(url: str, allow_private: bool) -> None:
-    """Raise ValueError unless url is http(s) and its host resolves only to public addresses (or private are allowed)."""
+    """Raise ValueError unless url is http(s) and its host resolves only to public addresses (or private ones are
+    allowed)."""
     resolve_webhook_url(url, allow_private)

@@ -71,7 +71,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.5)
         completion_s = time.perf_counter() - started
         jobs = await _final_jobs(http)
-    statuses = {s: sum(j["status"] == s for j in jobs) for s in ("succeeded", "failed", "cancelled", "queued", "running")}
+    states = ("succeeded", "failed", "cancelled", "queued", "running")
+    statuses = {s: sum(j["status"] == s for j in jobs) for s in states}
     e2e_s = [(datetime.fromisoformat(j["finished_at"]) - datetime.fromisoformat(j["created_at"])).total_seconds()
              for j in jobs if j["finished_at"]]
     return {

@@ -4,8 +4,9 @@
 
 Each step, the blocks in the scheduled sequences' tables are counted once (what pagedserve
 holds) and once per sequence (what the same sequences would hold without sharing); the saving
-is ``1 - mean(shared) / mean(unshared)``, the paper's Figure 15 measure. The shared prefix (whole blocks) is computed once before the
-requests arrive, as a service caches its system prompt. Writes ``sharing.json`` and ``sharing.png`` under ``--out``.
+is ``1 - mean(shared) / mean(unshared)``, the paper's Figure 15 measure. The shared prefix (whole blocks)
+is computed once before the requests arrive, as a service caches its system prompt. Writes ``sharing.json``
+and ``sharing.png`` under ``--out``.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ def beam_step(
         if token in eos_token_ids:
             if rank < beam_width:
                 tokens = beams[parent].output_token_ids + [token]
-                finished.append(BeamHypothesis(tokens, value, _normalised(value, num_generated, length_penalty), "stop"))
+                score = _normalised(value, num_generated, length_penalty)
+                finished.append(BeamHypothesis(tokens, value, score, "stop"))
             continue
         choices.append(BeamChoice(parent, token, value))
         if len(choices) == beam_width:

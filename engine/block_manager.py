@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
-from engine.sequence import Sequence, SequenceGroup
+from engine.sequence import Sequence
 
 BlockMapping = list[tuple[int, int]]
 

@@ -46,7 +46,8 @@ class LLMEngine:
         folder = resolve_model(config.model)
         self.model_name = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or folder)
-        self.model = load_model(folder, self.dtype, self.device, self.ops, config.cpu_weight_packing, config.quantization)
+        self.model = load_model(
+            folder, self.dtype, self.device, self.ops, config.cpu_weight_packing, config.quantization)
         model_config = self.model.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
@@ -328,7 +329,8 @@ class LLMEngine:
         finished = group.is_finished
         if finished:
             self.groups.pop(group.request_id, None)
-        metrics = RequestMetrics(group.arrival_time, group.first_scheduled_time, group.first_token_time, group.finished_time)
+        metrics = RequestMetrics(
+            group.arrival_time, group.first_scheduled_time, group.first_token_time, group.finished_time)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics,
                              error=group.error)
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.model_files import cache_dir  # noqa: F401  (benchmarks/baselines/llama_cpp.py imports it from here)
-from core.model_files import ModelNotPreparedError, converted_dir, gguf_source, is_prepared, prepared_folder
+from core.model_files import (
+    ModelNotPreparedError,
+    cache_dir,  # noqa: F401  (benchmarks/baselines/llama_cpp.py imports it from here)
+    converted_dir,
+    gguf_source,
+    is_prepared,
+    prepared_folder,
+)
 
 
 def resolve_model(model: str, cache_root: Path | None = None) -> Path:

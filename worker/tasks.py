@@ -8,9 +8,9 @@ from celery import shared_task
 from celery.exceptions import Reject
 
 from api import batches
+from api.db import session_factory
 from api.errors import log_event
 from api.lifecycle import transition
-from api.db import session_factory
 from api.models import JobStatus
 from api.queue import DELIVER_WEBHOOK_TASK, RUN_JOB_TASK
 from worker import drain, heartbeat, webhooks

@@ -16,7 +16,12 @@ from api.openai_errors import OpenAIRoute
 from api.openai_relay import failure, stream_jobs, wait_for_jobs
 from api.openai_responses import merged_body
 from api.openai_schemas import (
-    CHAT_COMPLETIONS, COMPLETIONS, ChatCompletionRequest, CompletionRequest, ignored_fields, served_model_id,
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ignored_fields,
+    served_model_id,
     served_model_names,
 )
 from api.prompts import prompt_model

@@ -9,7 +9,8 @@ it is an upper bound on Orca's throughput.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from benchmarks.workloads import Request
 from engine.block_manager import BlockManager

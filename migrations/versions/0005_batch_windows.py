@@ -20,7 +20,8 @@ NEW_TIMESTAMPS = ('expires_at', 'finalizing_at', 'expired_at')
 
 def upgrade() -> None:
     """Apply this revision."""
-    # the status column is a VARCHAR(16) without a CHECK, so the new states (validating, finalizing, expired) need no DDL
+    # the status column is a VARCHAR(16) without a CHECK, so the new states (validating, finalizing, expired)
+    # need no DDL
     with op.batch_alter_table('batches', schema=None) as batch_op:
         for column in NEW_TIMESTAMPS:
             batch_op.add_column(sa.Column(column, sa.DateTime(timezone=True), nullable=True))

@@ -22,7 +22,9 @@ PROMPTS = [
 ]
 
 
-def engine_greedy(folder: Path, prompts: list[str], max_tokens: int, **engine_kwargs: object) -> tuple[list[list[int]], LLM]:
+def engine_greedy(
+    folder: Path, prompts: list[str], max_tokens: int, **engine_kwargs: object
+) -> tuple[list[list[int]], LLM]:
     # "exact" keeps fp32 weights on F.linear, the kernel transformers runs; the default packing rounds differently
     llm = LLM(model=str(folder), dtype="float32", cpu_weight_packing="exact", **engine_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -59,7 +61,8 @@ def test_tiny_llama_matches_under_preemption(tiny_model_dir: Path, tiny_referenc
 
 
 def test_chunked_prefill_gives_same_tokens(tiny_model_dir: Path, tiny_reference: list[list[int]]) -> None:
-    tokens, _ = engine_greedy(tiny_model_dir, PROMPTS, 48, kv_cache_memory="8MiB", max_num_batched_tokens=8, max_num_seqs=8)
+    tokens, _ = engine_greedy(
+        tiny_model_dir, PROMPTS, 48, kv_cache_memory="8MiB", max_num_batched_tokens=8, max_num_seqs=8)
     assert tokens == tiny_reference
 
 

@@ -132,7 +132,8 @@ def test_parallel_samples_share_prompt_blocks(tiny_model_dir: Path) -> None:
         return peak, outputs
 
     shared, outputs = peak_blocks([params])
-    separate, _ = peak_blocks([SamplingParams(temperature=1.0, max_tokens=8, seed=s, ignore_eos=True) for s in range(4)])
+    separate, _ = peak_blocks(
+        [SamplingParams(temperature=1.0, max_tokens=8, seed=s, ignore_eos=True) for s in range(4)])
     assert len(outputs[0].outputs) == 4
     assert shared < separate
 

@@ -84,7 +84,9 @@ def test_step_histograms_count_batches_larger_than_one(ran: WorkerMetrics, regis
     assert _value(registry, "pagedserve_batch_size_bucket", le="1.0") < steps
 
 
-def test_request_latency_histograms_count_each_finished_request(ran: WorkerMetrics, registry: CollectorRegistry) -> None:
+def test_request_latency_histograms_count_each_finished_request(
+    ran: WorkerMetrics, registry: CollectorRegistry
+) -> None:
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
                  "queue_time_seconds"):
         assert _value(registry, f"pagedserve_{name}_count") == NUM_REQUESTS, name
@@ -93,7 +95,9 @@ def test_request_latency_histograms_count_each_finished_request(ran: WorkerMetri
     assert 0 < ttft <= _value(registry, "pagedserve_e2e_request_latency_seconds_sum")
 
 
-def test_idle_engine_gauges_show_an_empty_cache(ran: WorkerMetrics, registry: CollectorRegistry, engine: LLMEngine) -> None:
+def test_idle_engine_gauges_show_an_empty_cache(
+    ran: WorkerMetrics, registry: CollectorRegistry, engine: LLMEngine
+) -> None:
     assert _value(registry, "pagedserve_kv_cache_usage_ratio", pool="gpu") == 0.0
     assert 0.0 <= _value(registry, "pagedserve_kv_cache_waste_ratio") <= 1.0
     assert _value(registry, "pagedserve_kv_cache_blocks", state="used") == 0

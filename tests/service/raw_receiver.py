@@ -65,7 +65,8 @@ def _read_request(sock: socket.socket) -> None:
     while b"\r\n\r\n" not in data:
         data += sock.recv(4096)
     head, body = data.split(b"\r\n\r\n", 1)
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    lines = head.split(b"\r\n")
+    length = next(int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length"))
     while len(body) < length:
         body += sock.recv(4096)
 

@@ -141,7 +141,8 @@ def test_an_oversized_chunked_body_without_content_length_is_413(
 
 def test_jobs_do_not_show_the_worker_id(client: TestClient, auth_headers: dict[str, str]) -> None:
     job = client.post("/v1/jobs", json={"prompt": "Hi"}, headers=auth_headers).json()
-    assert "worker_id" not in job and "worker_id" not in client.get(f"/v1/jobs/{job['id']}", headers=auth_headers).json()
+    read_back = client.get(f"/v1/jobs/{job['id']}", headers=auth_headers).json()
+    assert "worker_id" not in job and "worker_id" not in read_back
 
 
 def test_home_in_path_settings_is_expanded() -> None:

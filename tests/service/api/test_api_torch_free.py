@@ -10,10 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.procs import free_port, stop, wait_until
-
 from api.cli import settings_env
 from api.settings import Settings
+from tests.service.procs import free_port, stop, wait_until
 
 HEAVY_MODULES = ("torch", "transformers", "engine", "kernels")
 # Runs in a fresh interpreter: build the app, accept a job and judge a completion's prompt (the tokenizer's path).

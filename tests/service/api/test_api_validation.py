@@ -55,7 +55,7 @@ def test_bad_job_body_is_422_naming_the_field(
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_refused(client: TestClient, auth_headers: dict[str, str], literal: str) -> None:
-    body = '{"prompt": "x", "temperature": %s}' % literal
+    body = f'{{"prompt": "x", "temperature": {literal}}}'
     response = client.post("/v1/jobs", content=body, headers={**auth_headers, "Content-Type": "application/json"})
     assert response.status_code == 422 and "temperature" in response.json()["error"]["message"]
 

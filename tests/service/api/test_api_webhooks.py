@@ -13,14 +13,14 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import update
-from tests.service.raw_receiver import RawReceiver, drip, endless_body, held_until_released
-from tests.service.receiver import WebhookReceiver
 
 from api.auth import find_api_key
 from api.db import session_factory
 from api.lifecycle import transition
 from api.models import JobStatus, WebhookDelivery
 from api.settings import Settings, configure
+from tests.service.raw_receiver import RawReceiver, drip, endless_body, held_until_released
+from tests.service.receiver import WebhookReceiver
 from worker import webhooks
 
 REBINDING_HOST = "hooks.rebind.test"
@@ -158,7 +158,8 @@ def test_a_duplicated_message_does_not_post_before_the_retry_is_due(
 
 @pytest.fixture
 def rebinding_dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """REBINDING_HOST resolves to 127.0.0.1 on the next lookup and to 127.0.0.2 on every one after; yields the answers."""
+    """REBINDING_HOST resolves to 127.0.0.1 on the next lookup and to 127.0.0.2 on every one after; yields the
+    answers."""
     real_getaddrinfo, answers = socket.getaddrinfo, []
 
     def rebinding_getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:

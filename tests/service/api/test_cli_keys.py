@@ -9,13 +9,13 @@ from collections.abc import Callable
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
-from tests.service.receiver import WebhookReceiver
 
 from api import migrate
 from api.db import session_factory
 from api.lifecycle import transition
 from api.models import ApiKey, JobStatus
 from api.settings import Settings
+from tests.service.receiver import WebhookReceiver
 from worker import webhooks
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]

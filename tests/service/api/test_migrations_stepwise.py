@@ -75,6 +75,7 @@ def test_cli_migrate_stops_at_the_named_revision_and_names_an_unknown_one(tmp_pa
     assert _current(url)[:2] == (first, {"api_keys", "jobs", "webhook_deliveries", "webhook_attempts"})
     unknown = pagedserve_migrate("--revision", "9999")
     assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
-    assert unknown.stderr.splitlines()[-1] == "pagedserve migrate: --revision 9999: Can't locate revision identified by '9999'"
+    expected = "pagedserve migrate: --revision 9999: Can't locate revision identified by '9999'"
+    assert unknown.stderr.splitlines()[-1] == expected
     assert pagedserve_migrate().returncode == 0
     assert _current(url)[0] == _revisions_oldest_first(url)[-1]

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 from fastapi.testclient import TestClient
-from tests.service.receiver import Received, WebhookReceiver
 
 from api.auth import create_api_key
 from api.db import session_factory
 from api.lifecycle import transition
 from api.models import JobStatus
+from tests.service.receiver import Received, WebhookReceiver
 from worker import webhooks
 
 MAX_AGE_S = 300

@@ -11,10 +11,9 @@ import httpx
 import openai
 import pytest
 
-from tests.service.procs import free_port, stop, wait_until
-
 from api.cli import settings_env
 from api.settings import Settings
+from tests.service.procs import free_port, stop, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import httpx
 from sqlalchemy import select
-from tests.service.e2e.support import offline_greedy, wait_final
-from tests.service.procs import wait_until
-from tests.service.receiver import WebhookReceiver
 
 from api.auth import find_api_key
 from api.db import session_factory
 from api.models import Job
+from tests.service.e2e.support import offline_greedy, wait_final
+from tests.service.procs import wait_until
+from tests.service.receiver import WebhookReceiver
 from worker import heartbeat, webhooks
 
 PROMPTS = [f"Job {i}: write about the number {i * 7}" for i in range(32)]

@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from tests.engine.hf_reference import hf_logprobs
 from tests.service.procs import wait_until
 

@@ -8,11 +8,11 @@ import httpx
 import openai
 import pytest
 from openai.types import Batch
-from tests.service.procs import wait_until
 
 from api.db import session_factory
 from api.models import Batch as StoredBatch
 from api.models import BatchStatus
+from tests.service.procs import wait_until
 
 
 @pytest.fixture(scope="module")

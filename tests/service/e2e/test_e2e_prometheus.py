@@ -13,13 +13,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+
+from api.settings import Settings
+from benchmarks.prometheus_server import PrometheusServer
 from tests.observability.test_dashboards import DASHBOARDS, dashboard_expressions
 from tests.service.e2e.support import wait_final
 from tests.service.procs import free_port, wait_until
 from tests.service.receiver import WebhookReceiver
-
-from api.settings import Settings
-from benchmarks.prometheus_server import PrometheusServer
 
 # a shared prefix of several full blocks, so the prefix cache is queried and hit
 PROMPTS = [f"{'The operators watch the memory of the engine. ' * 6}Job {i} asks about {i * 7}." for i in range(12)]

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
 from typing import Any
@@ -82,5 +82,5 @@ def test_retry_after_seconds_are_honoured_else_backoff_doubles(header: str | Non
 
 
 def test_retry_after_as_an_http_date_waits_until_then() -> None:
-    when = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=30), usegmt=True)
+    when = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
     assert 25 < retry_delay_s(httpx.Response(503, headers={"Retry-After": when}), attempt=0) <= 30

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from tests.service.e2e.support import offline_greedy, wait_final
 from tests.service.procs import wait_until
 

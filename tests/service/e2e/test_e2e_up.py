@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.service.procs import free_port, stop, wait_until
-
 from api.embedded_redis import redis_reachable
+from tests.service.procs import free_port, stop, wait_until
 
 
 def _curl(*args: str) -> dict:

@@ -88,7 +88,8 @@ def _wait_seconds(job: dict, since: str, until: str) -> float:
 def test_readyz_is_503_without_a_live_worker_while_jobs_wait_in_the_queue(client: httpx.Client) -> None:
     response = client.get("/readyz")
     assert response.status_code == 503
-    assert response.json() == {"status": "unavailable", "database": "ok", "redis": "ok", "model": "ok", "worker": "error: unavailable"}
+    assert response.json() == {
+        "status": "unavailable", "database": "ok", "redis": "ok", "model": "ok", "worker": "error: unavailable"}
     _submit(client, {"prompt": "Wait for a worker", "max_tokens": 4})
     wait_until(lambda: value(client.get("/metrics").text, "pagedserve_queue_oldest_age_seconds") > 0, 30,
                "the oldest queued job's age to show")

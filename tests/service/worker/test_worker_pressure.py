@@ -1,4 +1,5 @@
-"""Engine pressure through the worker: a burst larger than KV plus swap waits or swaps; what can never fit fails clearly."""
+"""Engine pressure through the worker: a burst larger than KV plus swap waits or swaps; what can never fit fails
+clearly."""
 
 from __future__ import annotations
 

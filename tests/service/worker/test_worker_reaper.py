@@ -33,7 +33,8 @@ def fast_reaper(service_settings: Settings) -> Iterator[Settings]:
 
 
 def _submit(settings: Settings, headers: dict[str, str]) -> str:
-    response = TestClient(create_app(settings)).post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=headers)
+    client = TestClient(create_app(settings))
+    response = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=headers)
     assert response.status_code == 202, response.text
     return response.json()["id"]
 
