@@ -68,7 +68,9 @@ class ModelRunner:
     """Builds ``input_ids``, ``positions``, ``slot_mapping`` and block tables once per step, on the
     host, and sends them to the device in one transfer."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, block_manager: BlockManager, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, cache: CacheEngine, block_manager: BlockManager, device: torch.device
+    ) -> None:
         self.model = model
         self.cache = cache
         self.block_manager = block_manager

@@ -7,7 +7,7 @@ A pure function of the tile shape and the device's shared memory, so it is teste
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -52,7 +52,7 @@ def choose_launch(
     return LaunchConfig(num_warps, max(1, min(MAX_STAGES, fitting)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def shared_memory_bytes(device: torch.device) -> int:
     """Shared memory a block may use on ``device``; the typical amount off CUDA."""
     if device.type != "cuda":

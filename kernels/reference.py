@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import (
-    HostTables, check_attention_inputs, check_cache_write, check_copy, check_decode, check_prefill, check_swap,
+    HostTables,
+    check_attention_inputs,
+    check_cache_write,
+    check_copy,
+    check_decode,
+    check_prefill,
+    check_swap,
 )
 
 
@@ -159,7 +165,9 @@ def plan_prefill(
     return AttentionPlan(starts[-1] if starts else 0, groups)
 
 
-def _sequence_group(cache_shape: torch.Size, table: torch.Tensor, start: int, end: int, context_len: int) -> AttentionGroup:
+def _sequence_group(
+    cache_shape: torch.Size, table: torch.Tensor, start: int, end: int, context_len: int
+) -> AttentionGroup:
     """One sequence's new tokens ``start:end`` (the last of its ``context_len``), causally masked."""
     device = table.device
     block_size = cache_shape[1]
@@ -171,7 +179,9 @@ def _sequence_group(cache_shape: torch.Size, table: torch.Tensor, start: int, en
     return AttentionGroup(_context_block_ids(cache_shape, table, num_context_blocks), rows, None, mask[None, None])
 
 
-def _padded_group(cache_shape: torch.Size, block_tables: torch.Tensor, starts: list[int], lens: list[int]) -> AttentionGroup:
+def _padded_group(
+    cache_shape: torch.Size, block_tables: torch.Tensor, starts: list[int], lens: list[int]
+) -> AttentionGroup:
     """Every sequence in one group, query rows padded to the longest run of new tokens."""
     device = block_tables.device
     block_size = cache_shape[1]

@@ -14,14 +14,7 @@ import triton.language as tl
 
 from kernels.checks import HostTables, check_attention_inputs, check_decode
 from kernels.launch import choose_launch, shared_memory_bytes
-from kernels.triton_tiles import (
-    LOG2_E,
-    attend_tile,
-    dot_dtype,
-    dot_precision,
-    next_power_of_2,
-    tile_tokens,
-)
+from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision, next_power_of_2, tile_tokens
 
 PARTITION_SIZE = 512  # context positions per program; a multiple of every tile size
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows, so small head groups are padded

@@ -14,14 +14,7 @@ import triton.language as tl
 
 from kernels.checks import HostTables, check_attention_inputs, check_prefill
 from kernels.launch import choose_launch, shared_memory_bytes
-from kernels.triton_tiles import (
-    LOG2_E,
-    attend_tile,
-    dot_dtype,
-    dot_precision,
-    next_power_of_2,
-    tile_tokens,
-)
+from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision, next_power_of_2, tile_tokens
 
 BLOCK_M = 32  # query rows per program
 

@@ -5,13 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.launch import (
-    MAX_STAGES,
-    TYPICAL_SHARED_MEMORY_BYTES,
-    choose_launch,
-    shared_memory_bytes,
-    stage_bytes,
-)
+from kernels.launch import MAX_STAGES, TYPICAL_SHARED_MEMORY_BYTES, choose_launch, shared_memory_bytes, stage_bytes
 from kernels.triton_decode import MIN_DOT_ROWS
 from kernels.triton_prefill import BLOCK_M
 from kernels.triton_tiles import tile_tokens
