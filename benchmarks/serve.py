@@ -60,10 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=positive_int, default=96, help="requests per run")
     parser.add_argument("--prompt-tokens", type=positive_int, default=128)
     parser.add_argument("--output-tokens", type=positive_int, default=128)
-    parser.add_argument("--pagedserve-flags", default="", help="extra `pagedserve up` flags, e.g. '--quantization int8'")
+    parser.add_argument("--pagedserve-flags", default="",
+                        help="extra `pagedserve up` flags, e.g. '--quantization int8'")
     parser.add_argument("--gguf-types", nargs="+", choices=llama_cpp.GGUF_TYPES, default=list(llama_cpp.GGUF_TYPES))
     parser.add_argument("--slots", nargs="+", type=positive_int, default=[8, 16, 32], help="llama-server --parallel")
-    parser.add_argument("--llama-threads", type=positive_int, default=os.cpu_count() or 1, help="llama-server --threads")
+    parser.add_argument("--llama-threads", type=positive_int, default=os.cpu_count() or 1,
+                        help="llama-server --threads")
     parser.add_argument("--client-processes", type=positive_int, default=1, help="guidellm worker processes")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="serve", help="file names of the results: <name>.json, .md, .png")
