@@ -91,7 +91,10 @@ class Settings(BaseSettings):
     @field_validator("swap_space", mode="before")
     @classmethod
     def _bare_number_is_gib(cls, value: Any) -> Any:
-        # vLLM's --swap-space 4 means 4 GiB; a number with a unit (512MiB, 4294967296B) is taken as written
+        # vLLM's --swap-space 4 means 4 GiB; a number with a unit (512MiB, 4294967296B) is taken as written.
+        # The default is a ByteSize, in bytes already (pydantic-settings validates defaults too).
+        if isinstance(value, ByteSize):
+            return value
         if isinstance(value, int | float) or (isinstance(value, str) and _is_number(value)):
             return int(float(value) * (1 << 30))
         return value

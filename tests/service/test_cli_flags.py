@@ -75,6 +75,11 @@ def test_swap_space_is_gib_when_a_bare_number(given: str, expected_bytes: int) -
     assert _settings("worker", "--swap-space", given).swap_space == expected_bytes
 
 
+def test_default_swap_space_is_4_gib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_SWAP_SPACE", raising=False)
+    assert Settings().swap_space == 4 << 30
+
+
 def test_swap_space_from_the_environment_is_gib_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_SWAP_SPACE", "2")
     assert Settings().swap_space == 2 << 30
