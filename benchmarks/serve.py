@@ -10,6 +10,7 @@ mode and concurrency is the one pagedserve is compared with.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -69,7 +70,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=positive_int, default=1, help="guidellm worker processes")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="serve", help="file names of the results: <name>.json, .md, .png")
+    parser.add_argument("--keep-others", action="store_true",
+                        help="keep the runs an earlier <name>.json recorded for the systems not measured now "
+                             "(same workload), e.g. to re-measure pagedserve against llama.cpp's recorded runs")
     return parser.parse_args(argv)
+
+
+def earlier_runs(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    """The command and the rows of the other systems from <name>.json, for --keep-others."""
+    path = args.out / f"{args.name}.json"
+    if not path.is_file():
+        raise SystemExit(f"--keep-others: there is no {path} to keep runs from")
+    earlier = json.loads(path.read_text())
+    if earlier["workload"] != asdict(workload(args)):
+        raise SystemExit(f"--keep-others: {path} measured another workload ({earlier['workload']}); "
+                         "give the same --requests, --prompt-tokens and --output-tokens")
+    return earlier["command"], [row for row in earlier["rows"] if row["system"] not in args.systems]
 
 
 def _poll(ready: Callable[[], T | None], process: subprocess.Popen[bytes], what: str) -> T:
@@ -241,11 +257,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the matrix, print the tables, and write <name>.json, .md and .png under --out (after every run)."""
     args = parse_args(argv)
     command = "python -m benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv)
+    rows: list[dict[str, Any]] = []
+    if args.keep_others:
+        earlier_command, rows = earlier_runs(args)
+        command = f"{earlier_command}\n{command}"
     tokenizer_dir = resolve_model(args.model)  # guidellm's tokenizer and llama.cpp's source weights
     configs = {"pagedserve": 1, "llama.cpp": len(args.gguf_types) * len(args.slots)}
     total = sum(configs[system] for system in args.systems) * len(args.modes) * len(args.concurrency)
     with tempfile.TemporaryDirectory(prefix="serve-") as work, tqdm(total=total, unit="run") as progress:
-        results = Results(args, command, tokenizer_dir, Path(work), progress)
+        results = Results(args, command, tokenizer_dir, Path(work), progress, rows)
         if "pagedserve" in args.systems:
             measure_pagedserve(results)
         if "llama.cpp" in args.systems:

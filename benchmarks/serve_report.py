@@ -20,9 +20,9 @@ ERROR_CHARS = 100
 
 
 def _cell(value: Any) -> str:
-    """A table cell: floats to 3 significant digits, errors to their first line."""
+    """A table cell: floats to 3 significant digits (whole numbers from 100 up), errors to their first line."""
     if isinstance(value, float):
-        return f"{value:.3g}"
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
     text = str(value).splitlines()[0] if value not in (None, "") else ""
     return text[:ERROR_CHARS].replace("|", "\\|")
 

@@ -95,3 +95,14 @@ def test_bad_options_are_refused_naming_the_option(argv: list[str], named: str,
     with pytest.raises(SystemExit):
         serve.parse_args(argv)
     assert named in capsys.readouterr().err
+
+
+def test_keep_others_keeps_the_other_systems_runs_of_the_same_workload(tmp_path: Path) -> None:
+    earlier = {"command": "python -m benchmarks.serve", "workload": {"num_requests": 96, "prompt_tokens": 128,
+                                                                     "output_tokens": 128},
+               "rows": [{"system": "pagedserve", "config": "defaults"}, {"system": "llama.cpp", "config": "x"}]}
+    (tmp_path / "serve.json").write_text(json.dumps(earlier))
+    args = serve.parse_args(["--systems", "pagedserve", "--keep-others", "--out", str(tmp_path)])
+    assert serve.earlier_runs(args) == ("python -m benchmarks.serve", [{"system": "llama.cpp", "config": "x"}])
+    with pytest.raises(SystemExit, match="measured another workload"):
+        serve.earlier_runs(serve.parse_args(["--systems", "pagedserve", "--requests", "8", "--out", str(tmp_path)]))
