@@ -6,12 +6,10 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.sequence import Sequence
+from engine.utils import cdiv
 
 BlockMapping = list[tuple[int, int]]
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)
@@ -63,17 +61,17 @@ class BlockManager:
         """True when the whole sequence fits now, keeping the watermark free."""
         cached = self._cached_prefix(seq)
         taken_from_free = sum(1 for block in cached if self.gpu.ref_counts[block] == 0)
-        needed = _cdiv(seq.num_tokens, self.block_size) - len(cached) + taken_from_free
+        needed = cdiv(seq.num_tokens, self.block_size) - len(cached) + taken_from_free
         return self.gpu.num_free_blocks - needed >= self.watermark_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` blocks for all its tokens, reusing its longest cached prefix."""
         cached = self._cached_prefix(seq)
-        self.num_prefix_queries += _cdiv(seq.num_tokens, self.block_size)
+        self.num_prefix_queries += cdiv(seq.num_tokens, self.block_size)
         self.num_prefix_hits += len(cached)
         for block in cached:
             self.gpu.incref(block)
-        fresh = [self.gpu.allocate() for _ in range(_cdiv(seq.num_tokens, self.block_size) - len(cached))]
+        fresh = [self.gpu.allocate() for _ in range(cdiv(seq.num_tokens, self.block_size) - len(cached))]
         self.tables[seq.seq_id] = cached + fresh
         self.hashes[seq.seq_id] = self._prompt_hashes(seq)[: len(cached)]
         seq.num_computed_tokens = len(cached) * self.block_size

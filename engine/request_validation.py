@@ -6,10 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from engine.utils import cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +23,8 @@ class ModelLimits:
 
     def kv_blocks_needed(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Blocks a request needs at worst: its prompt plus every sample or beam at full length."""
-        per_seq = _cdiv(params.max_tokens, self.block_size) + 1
-        return _cdiv(num_prompt_tokens, self.block_size) + max(params.n, params.beam_width) * per_seq
+        per_seq = cdiv(params.max_tokens, self.block_size) + 1
+        return cdiv(num_prompt_tokens, self.block_size) + max(params.n, params.beam_width) * per_seq
 
 
 def _check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:

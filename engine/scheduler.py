@@ -29,7 +29,6 @@ class SchedulerOutput:
     blocks_to_swap_out: BlockMapping = field(default_factory=list)
     blocks_to_swap_in: BlockMapping = field(default_factory=list)
     blocks_to_copy: BlockMapping = field(default_factory=list)
-    preempted: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -76,14 +75,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """True while any request waits, runs or is swapped out."""
         return bool(self.waiting or self.running or self.swapped)
-
-    def find(self, request_id: str) -> SequenceGroup | None:
-        """The live request with this id."""
-        for queue in (self.waiting, self.running, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    return group
-        return None
 
     def remove(self, group: SequenceGroup) -> None:
         """Drop a request from its queue and free every block it holds."""
@@ -259,7 +250,6 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         seqs = group.seqs_with_status(SequenceStatus.RUNNING)
         self.counters.num_preemptions += 1
-        out.preempted.append(group)
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seqs):
             mapping = self.block_manager.swap_out(seqs)
             out.blocks_to_swap_out.extend(mapping)

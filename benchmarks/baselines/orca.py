@@ -15,12 +15,10 @@ from typing import Any
 from benchmarks.workloads import Request
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
+from engine.utils import cdiv
 
 ReservePolicy = Callable[[Request, int], int]
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def reserve_max(request: Request, max_seq_len: int) -> int:
@@ -49,7 +47,7 @@ class ReservingBlockManager(BlockManager):
         self.reserved_tokens: dict[int, int] = {}
 
     def _reserved_blocks(self, seq: Sequence) -> int:
-        return _cdiv(max(self.reserved_tokens[seq.seq_id], seq.num_tokens), self.block_size)
+        return cdiv(max(self.reserved_tokens[seq.seq_id], seq.num_tokens), self.block_size)
 
     def can_allocate(self, seq: Sequence) -> bool:
         """True when the whole reservation fits now, keeping the watermark free."""
@@ -75,7 +73,7 @@ def install_reservation(engine: Any, policy: ReservePolicy, max_seq_len: int) ->
 
     def on_add(engine: Any, request_id: str, request: Request) -> None:
         tokens = policy(request, max_seq_len)
-        if _cdiv(tokens, manager.block_size) > usable:
+        if cdiv(tokens, manager.block_size) > usable:
             raise ValueError(f"a reservation of {tokens} tokens exceeds the KV budget of {usable} blocks")
         for seq in engine.groups[request_id].seqs:
             manager.reserved_tokens[seq.seq_id] = tokens
