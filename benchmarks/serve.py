@@ -4,7 +4,8 @@ One command, one fixed workload (synthetic prompts of exact token counts, EOS ig
 streaming and non-streaming, at each concurrency asked for. pagedserve runs as ``pagedserve up`` starts it
 (its settings' defaults; ``--pagedserve-flags`` adds any of its flags) on a fresh data directory and its own
 embedded Redis; llama-server runs on every GGUF type × slot count asked for, and its best configuration per
-mode and concurrency is the one pagedserve is compared with.
+mode and concurrency is the one pagedserve is compared with. ``offline`` runs the same workload through the engine
+in this process (benchmarks/serve_offline.py): the ceiling the service is compared with.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from typing import Any, TypeVar
 import httpx
 from tqdm.auto import tqdm
 
-from benchmarks import guidellm_client, serve_report
+from benchmarks import guidellm_client, serve_offline, serve_report
 from benchmarks.baselines import llama_cpp
 from benchmarks.common import RESULTS_DIR, machine, print_table, write_json
 from benchmarks.guidellm_client import Target, Workload
 from engine.model_files import resolve_model
 
 MODES = {"non-streaming": False, "streaming": True}
-SYSTEMS = ("pagedserve", "llama.cpp")
+SYSTEMS = ("pagedserve", "llama.cpp", serve_offline.SYSTEM)
 # guidellm counts prompt tokens with the model folder's tokenizer; llama.cpp's (BOS, merges) may differ slightly
 SLOT_SLACK_TOKENS = 64
 STARTUP_TIMEOUT_S = 900.0  # the first start converts the model's weights
@@ -193,6 +194,20 @@ def measure_pagedserve(results: Results) -> None:
         results.add({"system": "pagedserve", "config": config, "error": str(error)})
 
 
+def measure_offline(results: Results) -> None:
+    """The offline engine at each concurrency (no client, no modes); an engine that fails is an error row."""
+    args = results.args
+    for concurrency in args.concurrency:
+        row: dict[str, Any] = {"system": serve_offline.SYSTEM, "config": f"engine, max_num_seqs={concurrency}",
+                               "mode": "offline", "concurrency": concurrency}
+        results.progress.set_description(f"offline engine x{concurrency}")
+        try:
+            row |= serve_offline.run(args.model, shlex.split(args.pagedserve_flags), workload(args), concurrency)
+        except (RuntimeError, ValueError) as error:
+            row["error"] = str(error)
+        results.add(row)
+
+
 def llama_cpp_kv_tokens(slots: int, workload: Workload) -> int:
     """The KV pool llama-server needs for ``slots`` requests of ``workload`` at once, each with some slack."""
     return slots * (workload.prompt_tokens + workload.output_tokens + SLOT_SLACK_TOKENS)
@@ -236,8 +251,10 @@ def best_per_cell(rows: list[dict[str, Any]], system: str) -> dict[tuple[str, in
 
 
 def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per mode and concurrency: pagedserve's output tok/s, llama.cpp's best configuration's, and their ratio."""
+    """Per mode and concurrency: pagedserve's output tok/s, llama.cpp's best configuration's, and their ratio;
+    and pagedserve's share of the offline engine's tok/s at the same concurrency."""
     ours, theirs = best_per_cell(rows, "pagedserve"), best_per_cell(rows, "llama.cpp")
+    offline = {concurrency: row for (_, concurrency), row in best_per_cell(rows, serve_offline.SYSTEM).items()}
     result = []
     for cell in sorted(ours.keys() | theirs.keys()):
         entry: dict[str, Any] = {"mode": cell[0], "concurrency": cell[1]}
@@ -249,6 +266,10 @@ def comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if cell in ours and cell in theirs:
             entry["pagedserve_over_llama_cpp"] = (ours[cell]["output_tokens_per_s"]
                                                   / theirs[cell]["output_tokens_per_s"])
+        if cell in ours and cell[1] in offline:
+            entry["offline_output_tokens_per_s"] = offline[cell[1]]["output_tokens_per_s"]
+            entry["pagedserve_over_offline"] = (ours[cell]["output_tokens_per_s"]
+                                                / offline[cell[1]]["output_tokens_per_s"])
         result.append(entry)
     return result
 
@@ -262,14 +283,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         earlier_command, rows = earlier_runs(args)
         command = f"{earlier_command}\n{command}"
     tokenizer_dir = resolve_model(args.model)  # guidellm's tokenizer and llama.cpp's source weights
-    configs = {"pagedserve": 1, "llama.cpp": len(args.gguf_types) * len(args.slots)}
-    total = sum(configs[system] for system in args.systems) * len(args.modes) * len(args.concurrency)
+    configs = {"pagedserve": len(args.modes), "llama.cpp": len(args.gguf_types) * len(args.slots) * len(args.modes),
+               "offline": 1}
+    total = sum(configs[system] for system in args.systems) * len(args.concurrency)
     with tempfile.TemporaryDirectory(prefix="serve-") as work, tqdm(total=total, unit="run") as progress:
         results = Results(args, command, tokenizer_dir, Path(work), progress, rows)
         if "pagedserve" in args.systems:
             measure_pagedserve(results)
         if "llama.cpp" in args.systems:
             measure_llama_cpp(results)
+        if "offline" in args.systems:
+            measure_offline(results)
         payload = results.write()
     print_table("guidellm runs", payload["rows"], serve_report.ROW_COLUMNS)
     print_table("pagedserve vs llama.cpp's best", payload["comparisons"], serve_report.COMPARISON_COLUMNS)

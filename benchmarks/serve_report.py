@@ -14,7 +14,8 @@ ROW_COLUMNS = [
 ]
 COMPARISON_COLUMNS = [
     "mode", "concurrency", "pagedserve_output_tokens_per_s", "llama_cpp_best_config",
-    "llama_cpp_best_output_tokens_per_s", "pagedserve_over_llama_cpp",
+    "llama_cpp_best_output_tokens_per_s", "pagedserve_over_llama_cpp", "offline_output_tokens_per_s",
+    "pagedserve_over_offline",
 ]
 ERROR_CHARS = 100
 

@@ -16,27 +16,35 @@ NUM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 4, 16, 8
 SMALL_ENGINE = "--dtype float32 --kv-cache-memory 32MiB --swap-space 32MiB --max-num-seqs 8"
 
 
-def _pagedserve_argv(model_dir: Path, out: Path, pagedserve_flags: str) -> list[str]:
-    return ["--systems", "pagedserve", "--model", str(model_dir), "--requests", str(NUM_REQUESTS),
+def _pagedserve_argv(model_dir: Path, out: Path, pagedserve_flags: str, systems: tuple[str, ...] = ("pagedserve",)
+                     ) -> list[str]:
+    return ["--systems", *systems, "--model", str(model_dir), "--requests", str(NUM_REQUESTS),
             "--concurrency", "2", "--prompt-tokens", str(PROMPT_TOKENS), "--output-tokens", str(OUTPUT_TOKENS),
             "--pagedserve-flags", pagedserve_flags, "--out", str(out)]
 
 
 def test_guidellm_measures_pagedserve_up_streaming_and_not(tiny_model_dir: Path, tmp_path: Path) -> None:
-    serve.main(_pagedserve_argv(tiny_model_dir, tmp_path, SMALL_ENGINE))
+    serve.main(_pagedserve_argv(tiny_model_dir, tmp_path, SMALL_ENGINE, systems=("pagedserve", "offline")))
     payload = json.loads((tmp_path / "serve.json").read_text())
-    assert [(row["mode"], row["concurrency"]) for row in payload["rows"]] == [("non-streaming", 2), ("streaming", 2)]
+    assert [(row["system"], row["mode"], row["concurrency"]) for row in payload["rows"]] == [
+        ("pagedserve", "non-streaming", 2), ("pagedserve", "streaming", 2), ("offline", "offline", 2)]
     for row in payload["rows"]:
         assert "error" not in row, row["error"]
         assert row["requests_successful"] == NUM_REQUESTS and row["requests_failed"] == 0
         assert row["output_tokens"] == NUM_REQUESTS * OUTPUT_TOKENS  # EOS ignored: every request makes them all
-        assert row["output_tokens_per_s"] > 0 and 0 < row["latency_ms_p50"] <= row["latency_ms_p99"]
-    streaming = payload["rows"][1]
+        assert row["output_tokens_per_s"] > 0
+    for row in payload["rows"][:2]:
+        assert 0 < row["latency_ms_p50"] <= row["latency_ms_p99"]
+    streaming, offline = payload["rows"][1:]
+    assert offline["config"] == "engine, max_num_seqs=2"
     assert 0 < streaming["ttft_ms_p50"] <= streaming["ttft_ms_p99"] and streaming["itl_ms_p50"] > 0
     assert "ttft_ms_p50" not in payload["rows"][0]  # whole responses have no first-token time
     assert payload["machine"]["cpu_model"] and isinstance(payload["machine"]["cpu_flags"], list)
     assert [c["pagedserve_output_tokens_per_s"] for c in payload["comparisons"]] == [
-        row["output_tokens_per_s"] for row in payload["rows"]]
+        row["output_tokens_per_s"] for row in payload["rows"][:2]]
+    for comparison in payload["comparisons"]:  # the service's share of the engine at the same concurrency
+        assert comparison["pagedserve_over_offline"] == pytest.approx(
+            comparison["pagedserve_output_tokens_per_s"] / offline["output_tokens_per_s"])
     assert "| pagedserve |" in (tmp_path / "serve.md").read_text()
     assert (tmp_path / "serve.png").stat().st_size > 0
 
