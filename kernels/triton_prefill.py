@@ -2,8 +2,9 @@
 
 Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i + 1]``; they are the last
 tokens of its ``context_lens[i]`` (already written into the cache), so cached prefixes and
-chunked prefill need no separate path. Each program handles ``BLOCK_M`` query rows of one
-sequence and one head, and walks the context only up to its last row's position (causal).
+chunked prefill need no separate path. Each program handles a run of query tokens of one
+sequence for all query heads that share one KV head (GQA), so each K/V tile is read once per
+group, and walks the context only up to its last token's position (causal).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kernels.checks import HostTables, check_attention_inputs, check_prefill
 from kernels.launch import choose_launch, shared_memory_bytes
 from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision, next_power_of_2, tile_tokens
 
-BLOCK_M = 32  # query rows per program
+BLOCK_M = 32  # query rows (token x head pairs) per program
 
 
 @triton.jit
@@ -42,35 +43,42 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    TOKENS: tl.constexpr,
     TILE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Causal attention of ``BLOCK_ROWS`` query rows of one sequence and head."""
+    """Causal attention of ``TOKENS`` query tokens of one sequence, all heads of one KV group.
+
+    Row ``r`` of the ``BLOCK_ROWS`` rows is token ``r // GROUP`` and head ``r % GROUP`` of the
+    group: every key and value tile is loaded once for the whole group.
+    """
     seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    first_row = tl.program_id(2) * BLOCK_ROWS
+    kv_head = tl.program_id(1).to(tl.int64)
+    first_token = tl.program_id(2) * TOKENS
     query_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     num_queries = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - query_start
-    if first_row >= num_queries:
+    if first_token >= num_queries:
         return
     context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
-    rows = first_row + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < num_queries
+    rows = tl.arange(0, BLOCK_ROWS)
+    token_offsets = first_token + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = (rows < TOKENS * GROUP) & (token_offsets < num_queries)
     # Padding rows get positions past the context and are never stored.
-    query_positions = context_len - num_queries + rows
-    end = tl.minimum(context_len, context_len - num_queries + first_row + BLOCK_ROWS)
+    query_positions = context_len - num_queries + token_offsets
+    end = tl.minimum(context_len, context_len - num_queries + first_token + TOKENS)
 
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
-    tokens = query_start + rows
-    q_offsets = tokens[:, None] * stride_query_token + head * stride_query_head + dims[None, :]
+    tokens = query_start + token_offsets
+    q_offsets = tokens[:, None] * stride_query_token + heads[:, None] * stride_query_head + dims[None, :]
     io_mask = row_mask[:, None] & dim_mask[None, :]
     query = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)
     query = query.to(DOT_DTYPE)
 
     table_row_ptr = block_tables_ptr + seq * stride_table_seq
-    head_offset = (head // GROUP) * stride_kv_head
+    head_offset = kv_head * stride_kv_head
     max_score = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
     score_sum = tl.zeros([BLOCK_ROWS], tl.float32)
     acc = tl.zeros([BLOCK_ROWS, HEAD_DIM_PAD], tl.float32)
@@ -85,7 +93,7 @@ def _prefill_kernel(
         )
 
     out = acc / score_sum[:, None]
-    out_offsets = tokens[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
+    out_offsets = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -127,20 +135,24 @@ def paged_prefill_attention(
         return out
     head_dim_pad = next_power_of_2(head_dim)
     tile = tile_tokens(head_dim_pad, key_cache.element_size())
+    group = num_heads // num_kv_heads
+    rows = max(BLOCK_M, next_power_of_2(group))
+    tokens = rows // group  # whole groups only: the last rows may stay empty
     launch = choose_launch(
-        BLOCK_M, tile, head_dim_pad, key_cache.element_size(), shared_memory_bytes(query.device)
+        rows, tile, head_dim_pad, key_cache.element_size(), shared_memory_bytes(query.device)
     )
-    grid = (len(starts) - 1, num_heads, triton.cdiv(max_queries, BLOCK_M))
+    grid = (len(starts) - 1, num_kv_heads, triton.cdiv(max_queries, tokens))
     _prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
-        BLOCK_ROWS=BLOCK_M,
+        BLOCK_ROWS=rows,
+        TOKENS=tokens,
         TILE=tile,
         DOT_DTYPE=dot_dtype(key_cache.dtype),
         DOT_PRECISION=dot_precision(key_cache.dtype),

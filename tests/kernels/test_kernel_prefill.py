@@ -42,6 +42,27 @@ def test_prefill_matches_reference_for_gqa_ratios(
     assert_matches(*run_both(triton_ops, case, [7, 4]))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (9, 3)])
+def test_grouped_heads_match_reference_over_odd_lengths_and_several_token_runs(
+    triton_ops, make_case, assert_matches, device, head_dim, num_heads, num_kv_heads
+):
+    # 4 and 3 (not a power of two) query heads per KV head; 37 and 11 new tokens need several
+    # programs per group; blocks scattered over the cache with unused ones between them.
+    case = make_case(
+        [37, 29], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=8,
+        device=device,
+    )
+    assert_matches(*run_both(triton_ops, case, [37, 11]))
+
+
+def test_a_group_wider_than_a_row_tile_gets_one_token_per_program(
+    triton_ops, make_case, assert_matches, device
+):
+    case = make_case([5, 3], num_heads=64, num_kv_heads=1, head_dim=16, device=device)
+    assert_matches(*run_both(triton_ops, case, [5, 2]))
+
+
 @pytest.mark.parametrize("block_size", [8, 128])
 def test_prefill_matches_reference_for_block_sizes(
     triton_ops, make_case, assert_matches, device, block_size
@@ -53,6 +74,6 @@ def test_prefill_matches_reference_for_block_sizes(
 def test_prefill_spans_several_row_tiles_and_skips_empty_sequences(
     triton_ops, make_case, assert_matches, device
 ):
-    # 70 queries need three 32-row programs; the middle sequence has no new tokens.
+    # 70 queries need several programs; the middle sequence has no new tokens.
     case = make_case([80, 12, 70], num_heads=2, num_kv_heads=1, device=device)
     assert_matches(*run_both(triton_ops, case, [70, 0, 70]))
