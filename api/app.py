@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from api.errors import configure_logging, install_error_handlers
+from api.errors import install_error_handlers
 from api.limits import UPLOAD_OVERHEAD_BYTES, BodySizeLimit
 from api.metrics import HttpLatencyMiddleware
 from api.routes import events, health, jobs, openai_batch, openai_inference, tokenize, version
 from api.routes import metrics as metrics_route
-from api.settings import Settings, configure, get_settings
+from core.logging import configure_logging
+from core.settings import Settings, configure, get_settings
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

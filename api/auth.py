@@ -12,9 +12,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.db import get_session
-from api.models import ApiKey, utcnow
 from api.ratelimit import check_request_rate
+from core.db import get_session
+from core.models import ApiKey, utcnow
 
 TOKEN_PREFIX = "psk"
 WEBHOOK_SECRET_PREFIX = "whsec"

@@ -8,11 +8,11 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.models import Batch, BatchRequest, Job, JobStatus
 from api.openai_errors import error_object
 from api.openai_relay import failure
 from api.openai_responses import response_body
 from api.openai_schemas import served_model_id
+from core.models import Batch, BatchRequest, Job, JobStatus
 
 
 def _result(

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.models import Batch, StoredFile
+from core.models import Batch, StoredFile
 
 
 def _unix(moment: datetime | None) -> int | None:

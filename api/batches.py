@@ -12,15 +12,15 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from api import streams
 from api.batch_input import build_line, format_errors
 from api.batch_output import output_files
 from api.errors import ApiError
-from api.lifecycle import job_created, transition
-from api.models import ApiKey, Batch, BatchRequest, BatchStatus, Job, JobStatus, new_id, utcnow
 from api.openai_files import BATCH_INPUT, BATCH_OUTPUT, get_file, get_owned, store_file
 from api.ratelimit import check_inflight
-from api.settings import get_settings
+from core import streams
+from core.lifecycle import job_created, transition
+from core.models import ApiKey, Batch, BatchRequest, BatchStatus, Job, JobStatus, new_id, utcnow
+from core.settings import get_settings
 
 MAX_REPORTED_ERRORS = 100
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.cli_flags import add_settings_flags, command_settings, flag_errors
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 
 DEV_KEY_FILE = "dev-api-key"
 logger = logging.getLogger("pagedserve.cli")
@@ -108,7 +108,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> None:
 def dev_api_key(settings: Settings) -> str:
     """The embedded default's development key: kept in the data dir, recreated if the store lost it."""
     from api.auth import create_api_key, find_api_key
-    from api.db import session_factory
+    from core.db import session_factory
 
     path = settings.resolved_data_dir() / DEV_KEY_FILE
     with session_factory()() as session:
@@ -127,7 +127,7 @@ def _stop_on_signal(signum: int, _frame: object) -> None:
 def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
     """Start everything on the embedded default: the model prepared, store, Redis if needed, one worker and the API."""
     from api import migrate
-    from api.embedded_redis import redis_reachable, start_redis
+    from core.embedded_redis import redis_reachable, start_redis
 
     check_startup(settings, "up")
     signal.signal(signal.SIGTERM, _stop_on_signal)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from(args)
     except ValidationError as exc:
         parser.error(flag_errors(exc))
-    from api.errors import configure_logging
+    from core.logging import configure_logging
 
     configure_logging(settings.log_format)
     args.handler(settings, args)

@@ -10,7 +10,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import ByteSize, ValidationError
 from pydantic.fields import FieldInfo
 
-from api.settings import Settings
+from core.settings import Settings
 
 SERVER_COMMANDS = ("up", "api", "worker", "prepare")  # prepare reads what the worker reads
 STORE_COMMANDS = ("migrate", "create-key", "keys")

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from api.settings import Settings
+from core.settings import Settings
 
 CHUNK_LINES = 100  # lines per POST /v1/jobs/batch
 POLL_IDS = 500  # jobs per GET /v1/jobs?ids=... (the API's most)

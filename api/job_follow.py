@@ -9,9 +9,9 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from api import streams
-from api.db import session_factory
-from api.models import Job
+from core import streams
+from core.db import session_factory
+from core.models import Job
 
 IDLE_CHECK_MS = 1000
 

@@ -11,15 +11,15 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api import streams
 from api.errors import ApiError
-from api.lifecycle import job_created, transition
-from api.models import ApiKey, Job, JobStatus
 from api.prompts import TokenIdError, prompt_model
 from api.ratelimit import check_inflight
 from api.schemas import JobCreate
-from api.settings import get_settings
-from api.webhook_urls import check_webhook_url
+from core import streams
+from core.lifecycle import job_created, transition
+from core.models import ApiKey, Job, JobStatus
+from core.settings import get_settings
+from core.webhook_urls import check_webhook_url
 
 MAX_BULK_IDS = 500  # jobs one GET /v1/jobs?ids=... reads, as many as its largest page
 

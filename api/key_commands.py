@@ -9,9 +9,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import TOKEN_PREFIX, create_api_key, revoke_api_key, rotate_api_key
-from api.db import session_factory
-from api.models import ApiKey
-from api.settings import Settings
+from core.db import session_factory
+from core.models import ApiKey
+from core.settings import Settings
 
 
 def _find_key(session: Session, key_id: str) -> ApiKey:

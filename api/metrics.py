@@ -1,7 +1,7 @@
-"""Service metrics: jobs submitted and finished, job latencies, queue depth, HTTP latency, webhook deliveries.
+"""The API's /metrics: HTTP latency and the job store's gauges, plus the job counters (core/job_metrics.py).
 
-Counters live in whichever process does the work (the API for submissions and cancels, a worker for
-results and webhooks); each process is scraped and PromQL sums them. Several API processes share one
+Counters live in whichever process does the work (the API for submissions and cancels, a worker for results
+and webhooks: worker/webhook_metrics.py); each process is scraped and PromQL sums them. Several API processes share one
 /metrics through prometheus-client's multiprocess mode when PROMETHEUS_MULTIPROC_DIR is set.
 """
 
@@ -12,61 +12,22 @@ import os
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.db import session_factory
-from api.models import DeliveryStatus, Job, JobStatus, utcnow
-from api.settings import get_settings
+from core.db import session_factory
+from core.models import Job, JobStatus, utcnow
 
 logger = logging.getLogger("pagedserve.metrics")
 UNMATCHED_ROUTE = "unmatched"
 HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# a job's latency counts its wait in the queue: under a backlog that is minutes, for long jobs up to hours
-JOB_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
-
-JOBS_SUBMITTED = Counter("pagedserve_jobs_submitted_total", "jobs accepted into the store")
-JOBS_FINISHED = Counter("pagedserve_jobs_finished_total", "jobs that reached a final state, by status", ["status"])
-WEBHOOK_DELIVERIES = Counter(
-    "pagedserve_webhook_deliveries_total", "webhook delivery attempts by outcome (delivered, retrying, failed)",
-    ["outcome"],
-)
 HTTP_REQUEST_DURATION = Histogram(
     "pagedserve_http_request_duration_seconds", "API request latency by method, route template and status code",
     ["method", "route", "status_code"], buckets=HTTP_BUCKETS_S,
 )
-JOB_TIME_TO_FIRST_TOKEN = Histogram(
-    "pagedserve_job_time_to_first_token_seconds", "a succeeded job's acceptance (queue wait included) to first token",
-    ["model_name"], buckets=JOB_LATENCY_BUCKETS_S,
-)
-JOB_LATENCY = Histogram(
-    "pagedserve_job_latency_seconds", "a succeeded job's acceptance (queue wait included) to finish",
-    ["model_name"], buckets=JOB_LATENCY_BUCKETS_S,
-)
-for _status in JobStatus:
-    if _status.is_final:
-        JOBS_FINISHED.labels(_status.value)
-_OUTCOMES = {DeliveryStatus.delivered: "delivered", DeliveryStatus.pending: "retrying", DeliveryStatus.failed: "failed"}
-for _outcome in _OUTCOMES.values():
-    WEBHOOK_DELIVERIES.labels(_outcome)
-
-
-def record_job_latencies(job: Job) -> None:
-    """Observe a succeeded job's latencies from its acceptance (created_at) to first token and to finish."""
-    if job.status is not JobStatus.succeeded or job.finished_at is None:
-        return
-    model_name = get_settings().model
-    JOB_LATENCY.labels(model_name).observe((job.finished_at - job.created_at).total_seconds())
-    if job.first_token_at is not None:
-        JOB_TIME_TO_FIRST_TOKEN.labels(model_name).observe((job.first_token_at - job.created_at).total_seconds())
-
-
-def record_webhook_attempt(status_after: DeliveryStatus) -> None:
-    """Count one delivery attempt by what it left the delivery as."""
-    WEBHOOK_DELIVERIES.labels(_OUTCOMES[status_after]).inc()
 
 
 class StoreCollector:

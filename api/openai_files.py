@@ -9,8 +9,8 @@ from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from api.file_upload import parse_line, read_jsonl_upload
-from api.models import ApiKey, Batch, StoredFile, utcnow
-from api.settings import get_settings
+from core.models import ApiKey, Batch, StoredFile, utcnow
+from core.settings import get_settings
 
 BATCH_INPUT = "batch"
 BATCH_OUTPUT = "batch_output"

@@ -13,13 +13,13 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from api import jobs
-from api.db import session_factory
 from api.errors import ApiError
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
-from api.models import ApiKey, Job, JobStatus
 from api.openai_errors import error_object
 from api.openai_responses import choice_index, chunk, delta_choice, echoed_prompt, final_choices, total_usage, usage
 from api.openai_schemas import CHAT_COMPLETIONS, StreamOptions
+from core.db import session_factory
+from core.models import ApiKey, Job, JobStatus
 
 DISCONNECT_CHECK_S = 0.5
 

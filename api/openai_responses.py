@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.models import Job
 from api.openai_schemas import CHAT_COMPLETIONS
 from api.prompts import prompt_model
+from core.models import Job
 
 
 def _created(job: Job) -> int:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from api.errors import ApiError
 from api.prompts import prompt_model
 from api.schemas import JobCreate, MetadataValue
-from api.settings import get_settings
+from core.settings import get_settings
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
 _OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)

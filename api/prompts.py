@@ -13,8 +13,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from api.errors import ApiError
-from api.settings import get_settings
 from core.model_files import ModelNotPreparedError, prepared_folder
+from core.settings import get_settings
 
 MODEL_RETRY_AFTER_S = 10
 

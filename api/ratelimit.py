@@ -9,10 +9,10 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api import streams
 from api.errors import ApiError
-from api.models import ApiKey, Job, JobStatus
-from api.settings import get_settings
+from core import streams
+from core.models import ApiKey, Job, JobStatus
+from core.settings import get_settings
 
 logger = logging.getLogger("pagedserve.api")
 INFLIGHT_RETRY_AFTER_S = 5

@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from api.models import DeliveryStatus, JobStatus
+from core.job_payload import JobOut
+from core.models import DeliveryStatus
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -114,47 +115,6 @@ class JobBatchCreate(BaseModel):
     model_config = _STRICT
 
     jobs: list[JobCreate] = Field(min_length=1, max_length=1000)
-
-
-class Choice(BaseModel):
-    """One generated completion of a job."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: Any = None
-
-
-class JobOut(BaseModel):
-    """A job as the API shows it."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    id: str
-    status: JobStatus
-    prompt: str
-    messages: list[dict[str, str]] | None
-    params: dict[str, Any]
-    priority: int
-    metadata: dict[str, Any] | None = Field(validation_alias="metadata_")
-    webhook_url: str | None
-    attempts: int
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    text: str | None = None
-    choices: list[Choice] | None = Field(None, validation_alias="output")
-    error: str | None
-    created_at: datetime
-    started_at: datetime | None
-    first_token_at: datetime | None
-    finished_at: datetime | None
-
-    @model_validator(mode="after")
-    def _first_text(self) -> JobOut:
-        if self.choices:
-            self.text = self.choices[0].text
-        return self
 
 
 class JobList(BaseModel):

@@ -7,8 +7,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from api.models import Base
-from api.settings import get_settings
+from core.models import Base
+from core.settings import get_settings
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logging", True):

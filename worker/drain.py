@@ -13,12 +13,12 @@ import logging
 import time
 from typing import Any
 
-from api import queue
-from api.db import session_factory
-from api.errors import log_event
-from api.lifecycle import transition
-from api.models import Job, JobStatus
-from api.settings import get_settings
+from core import queue
+from core.db import session_factory
+from core.lifecycle import transition
+from core.logging import log_event
+from core.models import Job, JobStatus
+from core.settings import get_settings
 
 logger = logging.getLogger("pagedserve.worker")
 _deadline_s: float | None = None  # time.monotonic() after which running jobs are requeued; None: not draining

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from api.errors import log_event
+from core.logging import log_event
 
 logger = logging.getLogger("pagedserve.engine_service")
 IDLE_WAIT_S = 0.5

@@ -18,11 +18,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from api import streams
+from core import streams
 
 # the readers live below the API and the worker alike; reaper and runner reach them through this module
-from api.heartbeats import heartbeat_key, is_alive, live_workers, read_stats  # noqa: F401
-from api.settings import get_settings
+from core.heartbeats import heartbeat_key, is_alive, live_workers, read_stats  # noqa: F401
+from core.settings import get_settings
 
 STALLED_METRIC = "pagedserve_engine_stalled_seconds"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from celery import signals
 
-from api.queue import JOBS_QUEUE, WEBHOOKS_QUEUE, celery_app
-from api.settings import Settings, configure
+from core.queue import JOBS_QUEUE, WEBHOOKS_QUEUE, celery_app
+from core.settings import Settings, configure
 from worker import drain, heartbeat
 from worker.metrics import serve_metrics
 from worker.reaper import Reaper

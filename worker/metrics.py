@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
-from api.errors import log_event
+from core.logging import log_event
 
 logger = logging.getLogger("pagedserve.metrics")
 PREFIX = "pagedserve_"

@@ -19,12 +19,13 @@ from datetime import timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api import batches, queue, streams
-from api.db import session_factory
-from api.errors import log_event
-from api.lifecycle import transition
-from api.models import DeliveryStatus, Job, JobStatus, WebhookDelivery, utcnow
-from api.settings import get_settings
+from api import batches
+from core import queue, streams
+from core.db import session_factory
+from core.lifecycle import transition
+from core.logging import log_event
+from core.models import DeliveryStatus, Job, JobStatus, WebhookDelivery, utcnow
+from core.settings import get_settings
 from worker import heartbeat
 
 logger = logging.getLogger("pagedserve.reaper")

@@ -10,11 +10,11 @@ from typing import Any
 
 from sqlalchemy import update
 
-from api import streams
-from api.db import session_factory
-from api.errors import log_event
-from api.lifecycle import transition
-from api.models import Job, JobStatus, utcnow
+from core import streams
+from core.db import session_factory
+from core.lifecycle import transition
+from core.logging import log_event
+from core.models import Job, JobStatus, utcnow
 from worker import drain, heartbeat
 from worker.engine_service import EngineService
 

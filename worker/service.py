@@ -7,8 +7,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from api.errors import log_event
-from api.settings import Settings, get_settings
+from core.logging import log_event
+from core.settings import Settings, get_settings
 from worker import heartbeat
 from worker.engine_service import EngineService
 from worker.metrics import WorkerMetrics

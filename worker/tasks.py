@@ -8,11 +8,11 @@ from celery import shared_task
 from celery.exceptions import Reject
 
 from api import batches
-from api.db import session_factory
-from api.errors import log_event
-from api.lifecycle import transition
-from api.models import JobStatus
-from api.queue import DELIVER_WEBHOOK_TASK, RUN_JOB_TASK
+from core.db import session_factory
+from core.lifecycle import transition
+from core.logging import log_event
+from core.models import JobStatus
+from core.queue import DELIVER_WEBHOOK_TASK, RUN_JOB_TASK
 from worker import drain, heartbeat, webhooks
 from worker.runner import run_job as run_job_in_engine
 from worker.service import engine_service, sampling_params_class

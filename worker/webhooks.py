@@ -19,14 +19,14 @@ import httpx
 from sqlalchemy import or_, update
 from sqlalchemy.orm import Session
 
-from api import queue
-from api.db import session_factory
-from api.errors import log_event
-from api.metrics import record_webhook_attempt
-from api.models import ApiKey, DeliveryStatus, WebhookAttempt, WebhookDelivery, utcnow
-from api.schemas import JobOut
-from api.settings import get_settings
-from api.webhook_urls import WebhookTarget, resolve_webhook_url
+from core import queue
+from core.db import session_factory
+from core.job_payload import JobOut
+from core.logging import log_event
+from core.models import ApiKey, DeliveryStatus, WebhookAttempt, WebhookDelivery, utcnow
+from core.settings import get_settings
+from core.webhook_urls import WebhookTarget, resolve_webhook_url
+from worker.webhook_metrics import record_webhook_attempt
 
 logger = logging.getLogger("pagedserve.webhooks")
 SIGNATURE_HEADER = "X-Pagedserve-Signature"

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from api import heartbeats, streams
-from api.db import session_factory
 from api.prompts import ModelUnavailableError, prompt_model
-from api.settings import get_settings
+from core import heartbeats, streams
+from core.db import session_factory
+from core.settings import get_settings
 
 router = APIRouter(tags=["health"])
 logger = logging.getLogger("pagedserve.api")

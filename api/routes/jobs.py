@@ -9,8 +9,8 @@ from fastapi import APIRouter, Header, Query, Response, status
 from api import jobs
 from api.auth import CurrentKey, DbSession
 from api.errors import ApiError
-from api.models import JobStatus
 from api.schemas import JobBatchCreate, JobBatchOut, JobCreate, JobList, JobOut, WebhookDeliveryOut
+from core.models import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

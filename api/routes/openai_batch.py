@@ -9,8 +9,8 @@ from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from api import batches, openai_files
 from api.auth import CurrentKey, DbSession
 from api.batch_schemas import BatchCreate, BatchList, BatchObject, FileDeleted, FileList, FileObject
-from api.models import Batch
 from api.openai_errors import OpenAIRoute
+from core.models import Batch
 
 router = APIRouter(prefix="/v1", tags=["openai-batch"], route_class=OpenAIRoute)
 

@@ -11,7 +11,6 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentKey, DbSession
 from api.jobs import create_job, create_jobs
-from api.models import Job, utcnow
 from api.openai_errors import OpenAIRoute
 from api.openai_relay import failure, stream_jobs, wait_for_jobs
 from api.openai_responses import merged_body
@@ -26,7 +25,8 @@ from api.openai_schemas import (
 )
 from api.prompts import prompt_model
 from api.schemas import JobCreate
-from api.settings import get_settings
+from core.models import Job, utcnow
+from core.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 logger = logging.getLogger("pagedserve.api")

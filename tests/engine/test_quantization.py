@@ -10,8 +10,8 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from api.settings import Settings
 from benchmarks import numerics
+from core.settings import Settings
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import quantization

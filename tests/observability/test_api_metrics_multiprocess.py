@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tests.observability.promtext import value
 
-COUNT = "from api.metrics import HTTP_REQUEST_DURATION, JOBS_SUBMITTED; JOBS_SUBMITTED.inc({n}); " \
-        "HTTP_REQUEST_DURATION.labels('POST', '/v1/jobs', '202').observe(0.01)"
+COUNT = "from api.metrics import HTTP_REQUEST_DURATION; from core.job_metrics import JOBS_SUBMITTED; " \
+        "JOBS_SUBMITTED.inc({n}); HTTP_REQUEST_DURATION.labels('POST', '/v1/jobs', '202').observe(0.01)"
 RENDER = "import sys; from api.metrics import render_metrics; sys.stdout.write(render_metrics()[0].decode())"
 
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from api.settings import Settings
+from core.settings import Settings
 
 ROOT = Path(__file__).parents[2]
 SERVICES = {"postgres", "redis", "migrate", "api", "worker", "worker-cpu", "prometheus", "grafana"}

@@ -13,6 +13,8 @@ import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import Metric
 
+import core.job_metrics  # noqa: F401  (registers the job counters in REGISTRY, as the API and workers do)
+import worker.webhook_metrics  # noqa: F401  (registers the webhook counter in REGISTRY, as workers do)
 from api.metrics import StoreCollector
 from worker.metrics import WorkerMetrics
 
@@ -132,7 +134,7 @@ def test_grafana_provider_reads_the_folder_compose_mounts_the_dashboards_into() 
 
 
 def test_prometheus_scrapes_the_api_and_every_worker_on_their_ports() -> None:
-    from api.settings import Settings
+    from core.settings import Settings
 
     jobs = {job["job_name"]: job for job in _load_yaml("prometheus", "prometheus.yml")["scrape_configs"]}
     api_sd = jobs["pagedserve-api"]["dns_sd_configs"]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from api.errors import configure_logging, log_event
+from core.logging import configure_logging, log_event
 
 ROOT = Path(__file__).parents[2]
-LOG_EVENT = ("import logging; from api.errors import configure_logging, log_event; configure_logging({fmt!r}); "
+LOG_EVENT = ("import logging; from core.logging import configure_logging, log_event; configure_logging({fmt!r}); "
              "log_event(logging.getLogger('pagedserve.test'), 'job.transition', job_id='job_1', name='clash', n=3)")
 
 

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from api.settings import Settings
+from core.settings import Settings
 from worker.metrics import serve_metrics
 
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from api import streams
-from api.settings import Settings, configure
+from core import streams
+from core.settings import Settings, configure
 from tests.service.procs import free_port
 from worker import heartbeat
 from worker.metrics import WorkerMetrics, serve_metrics

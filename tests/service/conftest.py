@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from api import migrate
 from api.auth import create_api_key
-from api.db import session_factory
-from api.settings import Settings, configure
+from core.db import session_factory
+from core.settings import Settings, configure
 from tests.service.receiver import WebhookReceiver
 
 PG_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"

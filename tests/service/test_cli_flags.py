@@ -12,7 +12,7 @@ import pytest
 
 from api import cli
 from api.cli_flags import API_ONLY, WORKER_ONLY
-from api.settings import Settings, configure, get_settings
+from core.settings import Settings, configure, get_settings
 from worker.service import engine_kwargs
 
 

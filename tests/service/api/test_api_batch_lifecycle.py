@@ -9,10 +9,11 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from api import batches, queue, streams
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import Batch, BatchRequest, BatchStatus, JobStatus, utcnow
+from api import batches
+from core import queue, streams
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import Batch, BatchRequest, BatchStatus, JobStatus, utcnow
 from worker.reaper import Reaper
 
 OUTPUT = [{"index": 0, "text": " fox", "token_ids": [7], "finish_reason": "length", "logprobs": None}]

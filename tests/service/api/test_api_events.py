@@ -7,10 +7,10 @@ import threading
 
 from fastapi.testclient import TestClient
 
-from api import streams
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import JobStatus
+from core import streams
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import JobStatus
 
 
 def _parse(body: str) -> list[tuple[str, dict]]:

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.errors import ApiError
 from api.file_upload import read_jsonl_upload
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 
 Headers = Callable[[str], dict[str, str]]
 

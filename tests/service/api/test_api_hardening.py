@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from api.prompts import load_prompt_model, prompt_model
 from api.schemas import JobCreate
-from api.settings import Settings
+from core.settings import Settings
 from engine.sampling_params import SamplingParams
 
 NUL = "\u0000"

@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.settings import Settings
+from core.settings import Settings
 
 
 def test_healthz_is_ok(client: TestClient) -> None:

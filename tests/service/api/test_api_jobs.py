@@ -7,8 +7,8 @@ from collections.abc import Callable
 import redis
 from fastapi.testclient import TestClient
 
-from api import queue
-from api.settings import Settings
+from core import queue
+from core.settings import Settings
 
 
 def _default_level_key() -> str:

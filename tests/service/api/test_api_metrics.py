@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.db import session_factory
-from api.models import Job, JobStatus
+from core.db import session_factory
+from core.models import Job, JobStatus
 from tests.observability.promtext import value, value_or_zero
 
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.prompts import prompt_model
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 
 ALIASES = ["tiny", "tiny-chat"]
 

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 from tests.service.procs import free_port
 
 

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.auth import find_api_key
-from api.db import session_factory
-from api.settings import Settings, configure
+from core.db import session_factory
+from core.settings import Settings, configure
 
 Headers = Callable[[str], dict[str, str]]
 

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 
 from api.app import create_app
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 from tests.service.procs import free_port, wait_until
 
 Headers = Callable[[str], dict[str, str]]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from api.cli import settings_env
-from api.settings import Settings
+from core.settings import Settings
 from tests.service.procs import free_port, stop, wait_until
 
 HEAVY_MODULES = ("torch", "transformers", "engine", "kernels")

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.webhook_urls import check_webhook_url
+from core.webhook_urls import check_webhook_url
 
 BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 
 from api.auth import find_api_key
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import JobStatus, WebhookDelivery
-from api.settings import Settings, configure
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import JobStatus, WebhookDelivery
+from core.settings import Settings, configure
 from tests.service.raw_receiver import RawReceiver, drip, endless_body, held_until_released
 from tests.service.receiver import WebhookReceiver
 from worker import webhooks

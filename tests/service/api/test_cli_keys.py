@@ -11,10 +11,10 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from api import migrate
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import ApiKey, JobStatus
-from api.settings import Settings
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import ApiKey, JobStatus
+from core.settings import Settings
 from tests.service.receiver import WebhookReceiver
 from worker import webhooks
 

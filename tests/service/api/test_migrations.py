@@ -7,7 +7,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
 from api import migrate
-from api.models import Base
+from core.models import Base
 
 TABLES = {"api_keys", "jobs", "webhook_deliveries", "webhook_attempts", "files", "batches", "batch_requests"}
 

@@ -13,10 +13,10 @@ from sqlalchemy import create_engine, inspect, text
 
 from api import migrate
 from api.app import create_app
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import JobStatus
-from api.settings import Settings
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import JobStatus
+from core.settings import Settings
 
 
 def _revisions_oldest_first(url: str) -> list[str]:

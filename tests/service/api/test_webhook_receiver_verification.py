@@ -14,9 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.auth import create_api_key
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import JobStatus
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import JobStatus
 from tests.service.receiver import Received, WebhookReceiver
 from worker import webhooks
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from api.webhook_urls import resolve_webhook_url
+from core.webhook_urls import resolve_webhook_url
 
 EMBEDDED_PRIVATE = {
     "NAT64 of loopback": "64:ff9b::7f00:1",

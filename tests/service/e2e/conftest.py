@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from api.cli import settings_env
-from api.settings import Settings
+from core.settings import Settings
 from tests.service.procs import free_port, stop, wait_until
 
 

@@ -10,8 +10,8 @@ import httpx
 from sqlalchemy import select
 
 from api.auth import find_api_key
-from api.db import session_factory
-from api.models import Job
+from core.db import session_factory
+from core.models import Job
 from tests.service.e2e.support import offline_greedy, wait_final
 from tests.service.procs import wait_until
 from tests.service.receiver import WebhookReceiver

@@ -9,9 +9,9 @@ import openai
 import pytest
 from openai.types import Batch
 
-from api.db import session_factory
-from api.models import Batch as StoredBatch
-from api.models import BatchStatus
+from core.db import session_factory
+from core.models import Batch as StoredBatch
+from core.models import BatchStatus
 from tests.service.procs import wait_until
 
 

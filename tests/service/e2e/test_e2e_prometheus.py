@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from api.settings import Settings
 from benchmarks.prometheus_server import PrometheusServer
+from core.settings import Settings
 from tests.observability.test_dashboards import DASHBOARDS, dashboard_expressions
 from tests.service.e2e.support import wait_final
 from tests.service.procs import free_port, wait_until

@@ -10,12 +10,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api import queue, streams
 from api.app import create_app
 from api.cli import settings_env
-from api.db import session_factory
-from api.models import Job, JobStatus
-from api.settings import Settings
+from core import queue, streams
+from core.db import session_factory
+from core.models import Job, JobStatus
+from core.settings import Settings
 from tests.service.procs import stop, wait_until
 
 BACKLOG = 2000

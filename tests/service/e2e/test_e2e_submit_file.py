@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from api.client import retry_delay_s
-from api.settings import Settings
+from core.settings import Settings
 from tests.service.procs import wait_until
 
 NUM_LINES = 250

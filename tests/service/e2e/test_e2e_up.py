@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from api.embedded_redis import redis_reachable
+from core.embedded_redis import redis_reachable
 from tests.service.procs import free_port, stop, wait_until
 
 

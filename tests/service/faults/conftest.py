@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from api.cli import settings_env
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 from tests.service.faults.servers import PrivateRedis
 from tests.service.procs import free_port, stop, wait_until
 

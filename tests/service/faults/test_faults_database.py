@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.settings import Settings
+from core.settings import Settings
 from tests.service.faults.servers import PrivatePostgres, postgres_bin_dir
 
 pytestmark = pytest.mark.faults

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from api.cli import settings_env
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 from tests.observability.promtext import value
 from tests.service.e2e.support import wait_final
 from tests.service.faults.conftest import ServiceProcesses

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from api.settings import Settings, configure
+from core.settings import Settings, configure
 from tests.service.e2e.support import wait_final
 from tests.service.faults.conftest import ServiceProcesses
 from tests.service.procs import wait_until

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from api import streams
-from api.db import session_factory
-from api.models import Job, JobStatus
+from core import streams
+from core.db import session_factory
+from core.models import Job, JobStatus
 from tests.service.e2e.support import wait_final
 from tests.service.faults.conftest import ServiceProcesses
 from tests.service.faults.servers import PrivateRedis

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from api.settings import Settings
+from core.settings import Settings
 from worker.engine_service import EngineService
 from worker.service import engine_service
 

@@ -8,12 +8,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
-from api import queue, streams
 from api.app import create_app
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import DeliveryStatus, JobStatus, WebhookDelivery, utcnow
-from api.settings import Settings
+from core import queue, streams
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import DeliveryStatus, JobStatus, WebhookDelivery, utcnow
+from core.settings import Settings
 from worker.reaper import reenqueue_overdue_deliveries
 
 

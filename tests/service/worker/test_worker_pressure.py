@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.settings import Settings
+from core.settings import Settings
 from engine import LLMEngine, SamplingParams
 from tests.agreement import Sample, assert_agree_up_to_rounding
 from worker.engine_service import EngineService

@@ -10,12 +10,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
-from api import queue, streams
 from api.app import create_app
-from api.db import session_factory
-from api.lifecycle import transition
-from api.models import Job, JobStatus, utcnow
-from api.settings import Settings, configure
+from core import queue, streams
+from core.db import session_factory
+from core.lifecycle import transition
+from core.models import Job, JobStatus, utcnow
+from core.settings import Settings, configure
 from engine import SamplingParams
 from worker import heartbeat
 from worker.engine_service import EngineService

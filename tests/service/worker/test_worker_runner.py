@@ -10,9 +10,9 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from api import streams
 from api.app import create_app
-from api.settings import Settings
+from core import streams
+from core.settings import Settings
 from engine import SamplingParams
 from tests.engine.hf_reference import hf_beam, hf_logprobs
 from tests.service.procs import wait_until

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.settings import get_settings
+from core.settings import get_settings
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -8,10 +8,10 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from api import queue, streams
-from api.errors import log_event
-from api.metrics import JOBS_FINISHED, JOBS_SUBMITTED, record_job_latencies
-from api.models import Job, JobStatus, WebhookDelivery, utcnow
+from core import queue, streams
+from core.job_metrics import JOBS_FINISHED, JOBS_SUBMITTED, record_job_latencies
+from core.logging import log_event
+from core.models import Job, JobStatus, WebhookDelivery, utcnow
 
 logger = logging.getLogger("pagedserve.jobs")
 

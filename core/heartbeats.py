@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from api import streams
+from core import streams
 
 
 def heartbeat_key(worker: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 from celery import Celery
 from kombu.transport.redis import Channel as RedisChannel
 
-from api.settings import Settings, get_settings
+from core.settings import Settings, get_settings
 
 RUN_JOB_TASK = "pagedserve.run_job"
 DELIVER_WEBHOOK_TASK = "pagedserve.deliver_webhook"

@@ -9,7 +9,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from api.settings import get_settings
+from core.settings import get_settings
 
 EVENTS_TTL_S = 24 * 3600
 FINISHED_EVENTS_TTL_S = 3600
