@@ -9,10 +9,11 @@ from pydantic import ValidationError
 
 from api.errors import ApiError
 from api.jobs import build_job
-from api.openai_errors import error_object, validation_errors
+from api.openai_errors import validation_errors
 from api.openai_files import jsonl_lines
 from api.openai_schemas import REQUEST_SCHEMAS
 from core.models import ApiKey, Job
+from core.openai_responses import error_object
 from core.settings import get_settings
 
 MAX_CUSTOM_ID_CHARS = 512

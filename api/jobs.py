@@ -12,12 +12,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from api.prompts import TokenIdError, prompt_model
+from api.prompts import prompt_model
 from api.ratelimit import check_inflight
 from api.schemas import JobCreate
 from core import streams
 from core.lifecycle import job_created, transition
 from core.models import ApiKey, Job, JobStatus
+from core.prompts import TokenIdError
 from core.settings import get_settings
 from core.webhook_urls import check_webhook_url
 

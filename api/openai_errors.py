@@ -12,14 +12,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
 from api.errors import ApiError
-
-_TYPES = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error"}
-
-
-def error_object(status_code: int, message: str, param: str | None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object for a status, message and the parameter to blame."""
-    error_type = "server_error" if status_code >= 500 else _TYPES.get(status_code, "invalid_request_error")
-    return {"message": message, "type": error_type, "param": param, "code": code}
+from core.openai_responses import error_object
 
 
 def error_response(status_code: int, message: str, param: str | None, code: str | None = None) -> JSONResponse:

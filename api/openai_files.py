@@ -11,9 +11,8 @@ from api.errors import ApiError
 from api.file_upload import parse_line, read_jsonl_upload
 from core.models import ApiKey, Batch, StoredFile, utcnow
 from core.settings import get_settings
+from core.stored_files import BATCH_INPUT, store_file
 
-BATCH_INPUT = "batch"
-BATCH_OUTPUT = "batch_output"
 Owned = TypeVar("Owned", StoredFile, Batch)
 
 
@@ -48,14 +47,6 @@ def create_file(session: Session, key: ApiKey, filename: str, purpose: str, uplo
     content = read_jsonl_upload(upload, settings.max_file_bytes, settings.max_batch_lines)
     _check_quota(session, key, len(content))
     return store_file(session, key.id, filename, purpose, content)
-
-
-def store_file(session: Session, owner_id: str, filename: str, purpose: str, content: bytes) -> StoredFile:
-    """Add a file of the API key `owner_id` to the session (committed by the caller)."""
-    stored = StoredFile(api_key_id=owner_id, filename=filename[:255], purpose=purpose, bytes=len(content),
-                        content=content)
-    session.add(stored)
-    return stored
 
 
 def get_owned(session: Session, key: ApiKey, model: type[Owned], object_id: str, what: str) -> Owned:

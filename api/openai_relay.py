@@ -15,11 +15,21 @@ from starlette.concurrency import run_in_threadpool
 from api import jobs
 from api.errors import ApiError
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
-from api.openai_errors import error_object
-from api.openai_responses import choice_index, chunk, delta_choice, echoed_prompt, final_choices, total_usage, usage
-from api.openai_schemas import CHAT_COMPLETIONS, StreamOptions
+from api.openai_schemas import StreamOptions
 from core.db import session_factory
-from core.models import ApiKey, Job, JobStatus
+from core.models import ApiKey, Job
+from core.openai_responses import (
+    CHAT_COMPLETIONS,
+    choice_index,
+    chunk,
+    delta_choice,
+    echoed_prompt,
+    error_object,
+    final_choices,
+    job_failure,
+    total_usage,
+    usage,
+)
 
 DISCONNECT_CHECK_S = 0.5
 
@@ -39,12 +49,9 @@ async def cancel_unfinished(key: ApiKey, job_id: str) -> None:
 
 
 def failure(job: Job) -> ApiError | None:
-    """Why a final job has no answer for its client, or None when it succeeded."""
-    if job.status is JobStatus.succeeded:
-        return None
-    if job.status is JobStatus.cancelled:
-        return ApiError(409, f"job {job.id} was cancelled before it finished", None)
-    return ApiError(500, f"job {job.id} failed: {job.error}", None)
+    """Why a final job has no answer for its client, as the error to raise; None when it succeeded."""
+    problem = job_failure(job)
+    return None if problem is None else ApiError(problem.status_code, problem.message, None)
 
 
 async def wait_for_job(request: Request, key: ApiKey, job_id: str, timeout_s: float) -> Job | None:

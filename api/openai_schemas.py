@@ -9,24 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from api.errors import ApiError
 from api.prompts import prompt_model
 from api.schemas import JobCreate, MetadataValue
-from core.settings import get_settings
+from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
 _OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
 MAX_PROMPTS = 64
-
-
-def served_model_names() -> list[str]:
-    """The model names this server answers to: --served-model-name, else the configured model."""
-    settings = get_settings()
-    return settings.served_model_name or [settings.model]
-
-
-def served_model_id() -> str:
-    """The name responses carry: the first served name."""
-    return served_model_names()[0]
 
 
 def check_served_model(model: str) -> None:

@@ -19,8 +19,7 @@ from datetime import timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api import batches
-from core import queue, streams
+from core import batch_progress, queue, streams
 from core.db import session_factory
 from core.lifecycle import transition
 from core.logging import log_event
@@ -92,7 +91,7 @@ class Reaper:
                 "requeued": self.requeue_dead_workers_jobs(session),
                 "reenqueued": reenqueue_lost_jobs(session),
                 "redelivered": reenqueue_overdue_deliveries(session),
-                "batches": batches.refresh_open_batches(session),  # expiries, and finalizations no worker made
+                "batches": batch_progress.refresh_open_batches(session),  # expiries, and finalizations no worker made
             }
 
     def _dead_workers(self, worker_ids: set[str]) -> set[str]:

@@ -7,7 +7,7 @@ import logging
 from celery import shared_task
 from celery.exceptions import Reject
 
-from api import batches
+from core import batch_progress
 from core.db import session_factory
 from core.lifecycle import transition
 from core.logging import log_event
@@ -39,7 +39,7 @@ def _refresh_batch_of(job_id: str) -> None:
     """Finalize the job's batch if this was its last job, so a batch completes without being read."""
     try:
         with session_factory()() as session:
-            batches.refresh_batch_of_job(session, job_id)
+            batch_progress.refresh_batch_of_job(session, job_id)
     except Exception as exc:  # the job's result is recorded; the reaper's pass finalizes the batch instead
         log_event(logger, "batch.refresh_failed", job_id=job_id, error=repr(exc))
 

@@ -13,19 +13,11 @@ from api.auth import CurrentKey, DbSession
 from api.jobs import create_job, create_jobs
 from api.openai_errors import OpenAIRoute
 from api.openai_relay import failure, stream_jobs, wait_for_jobs
-from api.openai_responses import merged_body
-from api.openai_schemas import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ignored_fields,
-    served_model_id,
-    served_model_names,
-)
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
 from api.prompts import prompt_model
 from api.schemas import JobCreate
 from core.models import Job, utcnow
+from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, merged_body, served_model_id, served_model_names
 from core.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)

@@ -9,8 +9,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from api import batches
-from core import queue, streams
+from core import batch_progress, queue, streams
 from core.db import session_factory
 from core.lifecycle import transition
 from core.models import Batch, BatchRequest, BatchStatus, JobStatus, utcnow
@@ -73,11 +72,11 @@ def test_a_batch_completes_when_its_last_job_ends_without_being_read(
     for job_id in job_ids[:2]:
         _run(job_id)
         with session_factory()() as session:
-            batches.refresh_batch_of_job(session, job_id)  # what a worker does when a job ends
+            batch_progress.refresh_batch_of_job(session, job_id)  # what a worker does when a job ends
     assert _stored(batch["id"]).status is BatchStatus.in_progress
     _run(job_ids[2])
     with session_factory()() as session:
-        batches.refresh_batch_of_job(session, job_ids[2])
+        batch_progress.refresh_batch_of_job(session, job_ids[2])
     stored = _stored(batch["id"])
     assert stored.status is BatchStatus.completed and stored.output_file_id and stored.error_file_id is None
     assert stored.finalizing_at is not None and stored.completed_at is not None

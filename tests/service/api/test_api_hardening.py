@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.prompts import load_prompt_model, prompt_model
+from api.prompts import prompt_model
 from api.schemas import JobCreate
+from core.prompts import load_prompt_model
 from core.settings import Settings
 from engine.sampling_params import SamplingParams
 

@@ -8,11 +8,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.openai_errors import error_object
-from api.openai_relay import failure
-from api.openai_responses import response_body
-from api.openai_schemas import served_model_id
 from core.models import Batch, BatchRequest, Job, JobStatus
+from core.openai_responses import error_object, job_failure, response_body, served_model_id
 
 
 def _result(
@@ -24,7 +21,7 @@ def _result(
         body = {"error": request.error}
         return False, {**line, "response": {"status_code": 400, "request_id": None, "body": body}, "error": None}
     assert job is not None
-    problem = failure(job)
+    problem = job_failure(job)
     if problem is None:
         response = {"status_code": 200, "request_id": job.id, "body": response_body(job, served_model_id(), endpoint)}
         return True, {**line, "response": response, "error": None}

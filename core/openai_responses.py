@@ -1,12 +1,53 @@
-"""OpenAI response bodies (completion, chat completion, stream chunks) built from jobs and token deltas."""
+"""OpenAI response bodies (completion, chat completion, stream chunks, errors) built from jobs and token deltas.
+
+Torch-free and HTTP-free: the API answers with them, and a worker writes a finished batch's output file with them.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from api.openai_schemas import CHAT_COMPLETIONS
-from api.prompts import prompt_model
-from core.models import Job
+from core.models import Job, JobStatus
+from core.prompts import configured_prompt_model
+from core.settings import get_settings
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
+                413: "invalid_request_error"}
+
+
+class JobFailure(NamedTuple):
+    """Why a final job has no answer for its client: the HTTP status to answer with and the message."""
+
+    status_code: int
+    message: str
+
+
+def served_model_names() -> list[str]:
+    """The model names this server answers to: --served-model-name, else the configured model."""
+    settings = get_settings()
+    return settings.served_model_name or [settings.model]
+
+
+def served_model_id() -> str:
+    """The name responses carry: the first served name."""
+    return served_model_names()[0]
+
+
+def error_object(status_code: int, message: str, param: str | None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for a status, message and the parameter to blame."""
+    error_type = "server_error" if status_code >= 500 else _ERROR_TYPES.get(status_code, "invalid_request_error")
+    return {"message": message, "type": error_type, "param": param, "code": code}
+
+
+def job_failure(job: Job) -> JobFailure | None:
+    """Why a final job has no answer for its client, or None when it succeeded."""
+    if job.status is JobStatus.succeeded:
+        return None
+    if job.status is JobStatus.cancelled:
+        return JobFailure(409, f"job {job.id} was cancelled before it finished")
+    return JobFailure(500, f"job {job.id} failed: {job.error}")
 
 
 def _created(job: Job) -> int:
@@ -36,7 +77,7 @@ def echoed_prompt(job: Job) -> str:
 
 
 def _token_text(token_id: int) -> str:
-    return prompt_model().tokenizer.decode([token_id], skip_special_tokens=False)
+    return configured_prompt_model().tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _steps(choice: dict[str, Any], num_top: int) -> list[tuple[str, float, list[tuple[str, float]]]]:

@@ -1,0 +1,144 @@
+"""Torch-free prompt handling: chat templates, token counts against the model's context, token texts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from core.model_files import prepared_folder
+from core.settings import get_settings
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus max_tokens does not fit the model's context window."""
+
+
+class TokenIdError(ValueError):
+    """A token id outside the model's vocabulary (the engine would index past its embeddings)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptModel:
+    """What the API needs of the model: its tokenizer, context length, vocabulary size and chat template."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    chat_template: str | None
+    special_tokens: dict[str, str]
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for chat messages, through the model's own chat template."""
+        if not self.chat_template:
+            raise ValueError("messages: this model has no chat template; send a prompt instead")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens)
+        except TemplateError as exc:
+            raise ValueError(f"messages: the model's chat template failed: {exc}") from exc
+
+    def count_tokens(self, prompt: str) -> int:
+        """Number of prompt tokens the engine will see."""
+        return len(self.tokenizer.encode(prompt).ids)
+
+    def check_token_ids(self, token_ids: list[int], field: str) -> None:
+        """TokenIdError naming `field` unless every id is in [0, vocab_size)."""
+        bad = next((i for i in token_ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise TokenIdError(f"{field}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
+
+    def check_fits(self, prompt: str, max_tokens: int, field: str = "prompt") -> int:
+        """The prompt's token count; PromptTooLongError past the context, TokenIdError for ids past the vocabulary."""
+        return self.check_fits_ids(self.tokenizer.encode(prompt).ids, max_tokens, field)
+
+    def check_fits_ids(self, token_ids: list[int], max_tokens: int, field: str = "prompt") -> int:
+        """``check_fits`` for a prompt given as token ids."""
+        self.check_token_ids(token_ids, field)
+        num_tokens = len(token_ids)
+        if num_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"{field}: {num_tokens} prompt tokens + max_tokens {max_tokens} exceed the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        return num_tokens
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    tokens = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def _context_length(config: dict[str, Any], max_model_len: int | None) -> int:
+    model_len = int(config.get("max_position_embeddings", 2048))
+    if max_model_len is not None and max_model_len > model_len:
+        raise ValueError(f"max_model_len (--max-model-len) must not exceed the model's context of {model_len} "
+                         f"tokens, got {max_model_len}")
+    return max_model_len or model_len
+
+
+def _given_chat_template(value: str) -> str:
+    """The template of --chat-template: a file's text, or the value itself (as vLLM), checked to compile."""
+    path = Path(value).expanduser()
+    template = path.read_text() if path.is_file() else value
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateError as exc:
+        message = f"chat_template (--chat-template) is neither a file nor a valid Jinja template: {exc}"
+        raise ValueError(message) from exc
+    return template
+
+
+@lru_cache(maxsize=4)
+def load_prompt_model(
+    model: str, tokenizer_dir: Path | None = None, chat_template: str | None = None, max_model_len: int | None = None,
+    cache_root: Path | None = None,
+) -> PromptModel:
+    """Load tokenizer and limits of a model once per process; the optional arguments override the model's own.
+
+    A GGUF model is read from its converted folder; ModelNotPreparedError until a worker or `pagedserve
+    prepare` made it (the API never converts: that needs torch).
+    """
+    folder = prepared_folder(model, cache_root)
+    tok_folder = tokenizer_dir.expanduser() if tokenizer_dir is not None else folder
+    config = json.loads((folder / "config.json").read_text())
+    tok_config_path = tok_folder / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
+    template = tok_config.get("chat_template")
+    template_file = tok_folder / "chat_template.jinja"
+    if template is None and template_file.exists():
+        template = template_file.read_text()
+    if chat_template is not None:
+        template = _given_chat_template(chat_template)
+    tokenizer = Tokenizer.from_file(str(tok_folder / "tokenizer.json"))
+    return PromptModel(
+        name=model,
+        tokenizer=tokenizer,
+        max_model_len=_context_length(config, max_model_len),
+        # the engine's embedding table has config's vocab_size rows (often padded past the tokenizer's)
+        vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
+        chat_template=template if isinstance(template, str) else None,
+        special_tokens=_special_tokens(tok_config),
+    )
+
+
+def configured_prompt_model() -> PromptModel:
+    """The configured model's prompt handling; ModelNotPreparedError while the model is not prepared."""
+    settings = get_settings()
+    return load_prompt_model(settings.model, settings.tokenizer, settings.chat_template, settings.max_model_len,
+                             settings.cache_dir)
