@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_cache_write, check_copy
-from kernels.triton_tiles import next_power_of_2
+from kernels.launch import next_power_of_2
 
 COPY_CHUNK = 1024  # cache elements copied per program
 

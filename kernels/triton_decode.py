@@ -1,23 +1,35 @@
 """Paged attention for decode: one new query token per sequence, flash-decoding style.
 
-Each program handles one (sequence, KV head, partition of ``PARTITION_SIZE`` context
-positions) and all query heads of that KV head's group at once, so GQA/MQA read every key
-once. Short contexts (one partition) write the output directly; longer ones write per-partition
-partial results that a second kernel merges, so a few long sequences still fill the GPU.
+Each program handles one (sequence, KV head, partition of context positions) and all query
+heads of that KV head's group at once, so GQA/MQA read every key once. The partition length is
+chosen per step from the SM count (``kernels.launch.choose_partition_tokens``) and passed as a
+plain argument: launch sizes come from host values only, and no size is a compile-time constant
+that would recompile the kernels as contexts grow. Short contexts (one partition) write the
+output directly; longer ones write per-partition partial results that a second kernel merges,
+so a few long sequences still fill the GPU.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.checks import HostTables, check_attention_inputs, check_decode
-from kernels.launch import choose_launch, shared_memory_bytes
-from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision, next_power_of_2, tile_tokens
+from kernels.launch import (
+    MIN_DOT_ROWS,
+    LaunchConfig,
+    choose_launch,
+    choose_partition_tokens,
+    device_limits,
+    next_power_of_2,
+    tile_tokens,
+)
+from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
 
-PARTITION_SIZE = 512  # context positions per program; a multiple of every tile size
-MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows, so small head groups are padded
+REDUCE_CHUNK = 16  # partition results the merge kernel reads per loop iteration
 
 
 @triton.jit
@@ -42,13 +54,13 @@ def _decode_partition_kernel(
     stride_table_seq,
     num_heads,
     max_partitions,
+    partition_tokens,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
-    PARTITION: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -58,10 +70,10 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     partition = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = partition * PARTITION
+    start = partition * partition_tokens
     if start >= context_len:
         return
-    end = tl.minimum(start + PARTITION, context_len)
+    end = tl.minimum(start + partition_tokens, context_len)
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -111,41 +123,78 @@ def _decode_reduce_kernel(
     stride_out_head,
     num_heads,
     max_partitions,
+    partition_tokens,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    PARTITION: tl.constexpr,
-    PARTITIONS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """Merge one head's partition results: rescale each by its max score, then normalise."""
+    """Merge one head's partition results, ``CHUNK`` at a time: rescale each to the running max
+    score, sum, then normalise."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    context_len = tl.load(context_lens_ptr + seq)
-    num_partitions = tl.cdiv(context_len, PARTITION)
-    partitions = tl.arange(0, PARTITIONS_PAD)
-    used = partitions < num_partitions
-    slots = (seq * num_heads + head) * max_partitions + partitions
-    max_scores = tl.load(partial_max_ptr + slots, mask=used, other=float("-inf"))
-    weights = tl.exp2(max_scores - tl.max(max_scores, axis=0))
-    total = tl.sum(weights * tl.load(partial_sum_ptr + slots, mask=used, other=0.0), axis=0)
+    num_partitions = tl.cdiv(tl.load(context_lens_ptr + seq), partition_tokens)
+    first_slot = (seq * num_heads + head) * max_partitions
     dims = tl.arange(0, HEAD_DIM_PAD)
-    partial = tl.load(
-        partial_out_ptr + slots[:, None] * HEAD_DIM_PAD + dims[None, :],
-        mask=used[:, None],
-        other=0.0,
-    )
-    out = tl.sum(partial * weights[:, None], axis=0) / total
+    max_score = float("-inf")  # fp32 scalars once carried through the loop (as SGLang's merge)
+    total = 0.0
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for chunk_start in range(0, num_partitions, CHUNK):
+        partitions = chunk_start + tl.arange(0, CHUNK)
+        used = partitions < num_partitions
+        slots = first_slot + partitions
+        max_scores = tl.load(partial_max_ptr + slots, mask=used, other=float("-inf"))
+        # partition 0 is always used, so the running max is finite from the first chunk on
+        new_max = tl.maximum(max_score, tl.max(max_scores, axis=0))
+        rescale = tl.exp2(max_score - new_max)
+        weights = tl.exp2(max_scores - new_max)
+        sums = tl.load(partial_sum_ptr + slots, mask=used, other=0.0)
+        partial = tl.load(
+            partial_out_ptr + slots[:, None] * HEAD_DIM_PAD + dims[None, :], mask=used[:, None], other=0.0
+        )
+        total = total * rescale + tl.sum(weights * sums, axis=0)
+        acc = acc * rescale + tl.sum(partial * weights[:, None], axis=0)
+        max_score = new_max
     out_offsets = seq * stride_out_seq + head * stride_out_head + dims
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(out_ptr + out_offsets, (acc / total).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """A checked decode launch, made from host values once and reused by every layer of a step."""
+
+    max_context_len: int
+    partition_tokens: int
+    tile_tokens: int
+    group_rows: int  # query heads of one KV head, padded for tl.dot
+    launch: LaunchConfig
+
+    @property
+    def num_partitions(self) -> int:
+        """Partitions of the longest context: the grid's third axis."""
+        return triton.cdiv(self.max_context_len, self.partition_tokens)
 
 
 def plan_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, host: HostTables | None = None,
-) -> int:
-    """Check the arguments of ``paged_attention_decode``; the plan is the longest context length.
+) -> DecodePlan:
+    """Check the arguments of ``paged_attention_decode`` and choose its launch for the device.
 
     ``host`` holds host copies of the tables and lengths: planning from them reads nothing back."""
-    return check_decode(query, key_cache, value_cache, block_tables, context_lens, host)
+    max_context_len = check_decode(query, key_cache, value_cache, block_tables, context_lens, host)
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    limits = device_limits(query.device)
+    head_dim_pad, element_bytes = next_power_of_2(head_dim), key_cache.element_size()
+    tile = tile_tokens(head_dim_pad, element_bytes)
+    group_rows = max(MIN_DOT_ROWS, next_power_of_2(num_heads // num_kv_heads))
+    return DecodePlan(
+        max_context_len,
+        choose_partition_tokens(num_seqs, num_kv_heads, max_context_len, limits),
+        tile,
+        group_rows,
+        choose_launch(group_rows, tile, head_dim_pad, element_bytes, limits.shared_memory_bytes),
+    )
 
 
 def paged_attention_decode(
@@ -155,65 +204,54 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    plan: int | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence ``[num_seqs, num_heads, head_dim]`` against its context.
 
-    ``plan`` is ``plan_decode`` of these same arguments (the longest context, checked), when
-    several layers share the tables: it saves each layer a device sync.
+    ``plan`` is ``plan_decode`` of these same arguments, when several layers share the tables:
+    it saves each layer the checks and a device sync.
     """
     if plan is None:
-        max_context_len = plan_decode(query, key_cache, value_cache, block_tables, context_lens)
+        plan = plan_decode(query, key_cache, value_cache, block_tables, context_lens)
     else:
         check_attention_inputs(query, key_cache, value_cache)
-        max_context_len = plan
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
-    tile = min(tile_tokens(head_dim_pad, key_cache.element_size()), PARTITION_SIZE)
-    max_partitions = triton.cdiv(max_context_len, PARTITION_SIZE)
-    single = max_partitions == 1
-    partial_shape = (num_seqs, num_heads, max_partitions) if not single else (0,)
+    num_partitions = plan.num_partitions
+    single = num_partitions == 1
+    partial_shape = (num_seqs, num_heads, num_partitions) if not single else (0,)
     partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
-    partial_out = torch.empty(
-        (*partial_shape, head_dim_pad), dtype=torch.float32, device=query.device
-    )
-    group_pad = max(MIN_DOT_ROWS, next_power_of_2(group))
-    launch = choose_launch(
-        group_pad, tile, head_dim_pad, key_cache.element_size(), shared_memory_bytes(query.device)
-    )
-    _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
+    partial_out = torch.empty((*partial_shape, head_dim_pad), dtype=torch.float32, device=query.device)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out, partial_out, partial_max, partial_sum,
         query, key_cache, value_cache, block_tables, context_lens,
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        num_heads, max_partitions,
-        GROUP=group,
-        GROUP_PAD=group_pad,
+        num_heads, num_partitions, plan.partition_tokens,
+        GROUP=num_heads // num_kv_heads,
+        GROUP_PAD=plan.group_rows,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
-        TILE=tile,
-        PARTITION=PARTITION_SIZE,
+        TILE=plan.tile_tokens,
         SINGLE_PARTITION=single,
         DOT_DTYPE=dot_dtype(key_cache.dtype),
         DOT_PRECISION=dot_precision(key_cache.dtype),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        num_warps=plan.launch.num_warps,
+        num_stages=plan.launch.num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_max, partial_sum, context_lens,
-            out.stride(0), out.stride(1), num_heads, max_partitions,
+            out.stride(0), out.stride(1), num_heads, num_partitions, plan.partition_tokens,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            PARTITION=PARTITION_SIZE,
-            PARTITIONS_PAD=next_power_of_2(max_partitions),
+            CHUNK=REDUCE_CHUNK,
         )
     return out

@@ -9,15 +9,15 @@ group, and walks the context only up to its last token's position (causal).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.checks import HostTables, check_attention_inputs, check_prefill
-from kernels.launch import choose_launch, shared_memory_bytes
-from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision, next_power_of_2, tile_tokens
-
-BLOCK_M = 32  # query rows (token x head pairs) per program
+from kernels.launch import PrefillTiles, choose_prefill_tiles, device_limits, next_power_of_2
+from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
 
 
 @triton.jit
@@ -97,15 +97,30 @@ def _prefill_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """A checked prefill launch, made from host values once and reused by every layer of a step."""
+
+    query_start_loc: list[int]
+    max_queries: int  # the longest run of new tokens of one sequence
+    tiles: PrefillTiles
+
+
 def plan_prefill(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
     host: HostTables | None = None,
-) -> list[int]:
-    """Check the arguments of ``paged_prefill_attention``; the plan is ``query_start_loc`` as a list.
+) -> PrefillPlan:
+    """Check the arguments of ``paged_prefill_attention`` and choose its tiles for the device.
 
     ``host`` holds host copies of the tables and offsets: planning from them reads nothing back."""
-    return check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, host)[1]
+    _, starts = check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, host)
+    group = query.shape[1] // key_cache.shape[2]
+    max_queries = max((end - start for start, end in zip(starts, starts[1:])), default=0)
+    tiles = choose_prefill_tiles(
+        group, next_power_of_2(query.shape[2]), key_cache.element_size(), max_queries, device_limits(query.device)
+    )
+    return PrefillPlan(starts, max_queries, tiles)
 
 
 def paged_prefill_attention(
@@ -116,47 +131,38 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    plan: list[int] | None = None,
+    plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flattened batch of new tokens against their paged context.
 
     ``plan`` is ``plan_prefill`` of these same arguments, when several layers share them.
     """
     if plan is None:
-        starts = plan_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+        plan = plan_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
     else:
         check_attention_inputs(query, key_cache, value_cache)
-        starts = plan
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    max_queries = max((end - start for start, end in zip(starts, starts[1:])), default=0)
-    if max_queries == 0:
+    if plan.max_queries == 0:
         return out
-    head_dim_pad = next_power_of_2(head_dim)
-    tile = tile_tokens(head_dim_pad, key_cache.element_size())
-    group = num_heads // num_kv_heads
-    rows = max(BLOCK_M, next_power_of_2(group))
-    tokens = rows // group  # whole groups only: the last rows may stay empty
-    launch = choose_launch(
-        rows, tile, head_dim_pad, key_cache.element_size(), shared_memory_bytes(query.device)
-    )
-    grid = (len(starts) - 1, num_kv_heads, triton.cdiv(max_queries, tokens))
+    tiles = plan.tiles
+    grid = (len(plan.query_start_loc) - 1, num_kv_heads, triton.cdiv(plan.max_queries, tiles.tokens))
     _prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        GROUP=group,
+        GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
-        BLOCK_ROWS=rows,
-        TOKENS=tokens,
-        TILE=tile,
+        BLOCK_ROWS=tiles.rows,
+        TOKENS=tiles.tokens,
+        TILE=tiles.tile_tokens,
         DOT_DTYPE=dot_dtype(key_cache.dtype),
         DOT_PRECISION=dot_precision(key_cache.dtype),
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        num_warps=tiles.launch.num_warps,
+        num_stages=tiles.launch.num_stages,
     )
     return out

@@ -18,19 +18,6 @@ LOG2_E = 1.4426950408889634
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (Triton block shapes must be powers of two)."""
-    return triton.next_power_of_2(n)
-
-
-def tile_tokens(head_dim_pad: int, element_bytes: int) -> int:
-    """Context positions per loop iteration: smaller for wide heads to bound register use, and
-    for wide fp32 heads so that a K and a V tile (32 KiB) leave room for a second stage."""
-    if head_dim_pad <= 128:
-        return 64
-    return 32 if element_bytes <= 2 else 16
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 caches get exact fp32 dots (no TF32 rounding), 16-bit caches use tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"

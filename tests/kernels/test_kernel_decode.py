@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from kernels import reference, triton_decode
+from kernels import reference
+from kernels.triton_decode import REDUCE_CHUNK
 
 SCALE = 0.125
 
 
-def run_both(triton_ops, case, dtype: torch.dtype = torch.float32):
-    """Decode one random query per sequence with both backends."""
+def run_both(triton_ops, case, dtype: torch.dtype = torch.float32, partition_tokens: int | None = None):
+    """Decode one random query per sequence with both backends; the Triton one split into
+    partitions of ``partition_tokens`` when given (else as planned for the device)."""
     head_dim = case.key_cache.shape[3]
     query = torch.randn(len(case.context_lens), case.num_heads, head_dim)
     query = query.to(device=case.key_cache.device, dtype=dtype)
-    args = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens, SCALE)
-    return triton_ops.paged_attention_decode(*args), reference.paged_attention_decode(*args)
+    tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
+    plan = triton_ops.plan_decode(*tensors)
+    if partition_tokens is not None:
+        plan = replace(plan, partition_tokens=partition_tokens)
+    return (
+        triton_ops.paged_attention_decode(*tensors, SCALE, plan=plan),
+        reference.paged_attention_decode(*tensors, SCALE),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,7 +44,7 @@ def test_decode_accepts_fp16(triton_ops, make_case, assert_matches, device):
     assert_matches(*run_both(triton_ops, case, torch.float16))
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1), (16, 2)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 2), (8, 1), (16, 2)])
 def test_decode_matches_reference_for_gqa_ratios(
     triton_ops, make_case, assert_matches, device, num_heads, num_kv_heads
 ):
@@ -51,13 +61,16 @@ def test_decode_matches_reference_for_block_sizes(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_merges_partitions_of_long_contexts(
-    triton_ops, make_case, assert_matches, device, monkeypatch, dtype
-):
+def test_decode_merges_partitions_of_long_contexts(triton_ops, make_case, assert_matches, device, dtype):
     # 64-token partitions: contexts of 1 to 4 partitions, ending on and off partition edges.
-    monkeypatch.setattr(triton_decode, "PARTITION_SIZE", 64)
     case = make_case([1, 64, 65, 200], block_size=8, dtype=dtype, device=device)
-    assert_matches(*run_both(triton_ops, case, dtype))
+    assert_matches(*run_both(triton_ops, case, dtype, partition_tokens=64))
+
+
+def test_decode_merges_more_partitions_than_one_merge_step_reads(triton_ops, make_case, assert_matches, device):
+    # 64-token partitions: the longest context has more than REDUCE_CHUNK of them.
+    case = make_case([33, 64 * REDUCE_CHUNK + 45], num_heads=8, num_kv_heads=2, device=device)
+    assert_matches(*run_both(triton_ops, case, partition_tokens=64))
 
 
 def test_decode_reads_a_block_table_padded_with_garbage(

@@ -1,42 +1,73 @@
-"""The attention kernels' launch parameters fit the device they launch on."""
+"""The attention kernels' launch choices fit the device they launch on, judged on made-up devices."""
 
 from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kernels.launch import MAX_STAGES, TYPICAL_SHARED_MEMORY_BYTES, choose_launch, shared_memory_bytes, stage_bytes
-from kernels.triton_decode import MIN_DOT_ROWS
-from kernels.triton_prefill import BLOCK_M
-from kernels.triton_tiles import tile_tokens
+from kernels.launch import (
+    INTERPRETER_LIMITS,
+    MAX_PARTITION_TOKENS,
+    MAX_STAGES,
+    MIN_DOT_ROWS,
+    MIN_PARTITION_TOKENS,
+    PROGRAMS_PER_SM,
+    TYPICAL_SHARED_MEMORY_BYTES,
+    DeviceLimits,
+    choose_launch,
+    choose_partition_tokens,
+    choose_prefill_tiles,
+    device_limits,
+    fixed_bytes,
+    limits_from_properties,
+    stage_bytes,
+    tile_tokens,
+)
 
-H100_SHARED_MEMORY_BYTES = 227 * 1024
+KIB = 1024
+# Made-up devices with the SM counts and shared memory of an H100/H200, an A100 and a small part.
+H100 = DeviceLimits(sm_count=132, shared_memory_bytes=227 * KIB, compiled=True)
+A100 = DeviceLimits(sm_count=108, shared_memory_bytes=163 * KIB, compiled=True)
+SMALL = DeviceLimits(sm_count=8, shared_memory_bytes=TYPICAL_SHARED_MEMORY_BYTES, compiled=True)
+DEVICES = [H100, A100, SMALL]
 
 
-def requested_bytes(rows: int, head_dim_pad: int, element_bytes: int, shared: int) -> int:
-    """Shared memory the chosen stages buffer, with the query tile and the probabilities."""
-    tile = tile_tokens(head_dim_pad, element_bytes)
-    launch = choose_launch(rows, tile, head_dim_pad, element_bytes, shared)
-    fixed = rows * head_dim_pad * element_bytes + rows * tile * 4
-    return fixed + launch.num_stages * stage_bytes(tile, head_dim_pad, element_bytes)
+def requested_bytes(rows: int, tile: int, head_dim_pad: int, element_bytes: int, stages: int) -> int:
+    """Shared memory ``stages`` stages buffer, with the query tile and the probabilities."""
+    stage = stage_bytes(tile, head_dim_pad, element_bytes)
+    return fixed_bytes(rows, tile, head_dim_pad, element_bytes) + stages * stage
 
 
-@pytest.mark.parametrize("rows", [MIN_DOT_ROWS, BLOCK_M])
+# ---------------------------------------------------------------- device limits
+
+def test_limits_are_read_from_the_device_properties():
+    props = SimpleNamespace(multi_processor_count=132, shared_memory_per_block=48 * KIB,
+                            shared_memory_per_block_optin=227 * KIB)
+    assert limits_from_properties(props) == H100
+
+
+def test_off_cuda_the_interpreter_limits_are_assumed():
+    assert device_limits(torch.device("cpu")) == INTERPRETER_LIMITS
+    assert not INTERPRETER_LIMITS.compiled
+
+
+# ---------------------------------------------------------------- warps and stages
+
+@pytest.mark.parametrize("rows", [MIN_DOT_ROWS, 32])
 @pytest.mark.parametrize("head_dim_pad", [64, 128, 256])
 @pytest.mark.parametrize("element_bytes", [2, 4])
 def test_stages_fit_a_typical_sm(rows, head_dim_pad, element_bytes):
-    assert requested_bytes(rows, head_dim_pad, element_bytes, TYPICAL_SHARED_MEMORY_BYTES) \
-        <= TYPICAL_SHARED_MEMORY_BYTES
-
-
-def test_fp32_at_head_dim_256_gets_fewer_stages_than_the_cap_on_a_typical_sm():
-    launch = choose_launch(BLOCK_M, tile_tokens(256, 4), 256, 4)
-    assert 1 <= launch.num_stages < MAX_STAGES
+    tile = tile_tokens(head_dim_pad, element_bytes)
+    launch = choose_launch(rows, tile, head_dim_pad, element_bytes, TYPICAL_SHARED_MEMORY_BYTES)
+    assert requested_bytes(rows, tile, head_dim_pad, element_bytes, launch.num_stages) <= TYPICAL_SHARED_MEMORY_BYTES
 
 
 def test_a_larger_sm_gets_deeper_pipelines_up_to_the_cap():
     small = choose_launch(MIN_DOT_ROWS, 64, 128, 2, TYPICAL_SHARED_MEMORY_BYTES)
-    large = choose_launch(MIN_DOT_ROWS, 64, 128, 2, H100_SHARED_MEMORY_BYTES)
+    large = choose_launch(MIN_DOT_ROWS, 64, 128, 2, H100.shared_memory_bytes)
     assert small.num_stages < large.num_stages == MAX_STAGES
 
 
@@ -54,5 +85,84 @@ def test_nonpositive_sizes_are_refused_by_name():
         choose_launch(16, 64, 0, 2)
 
 
-def test_off_cuda_the_typical_shared_memory_is_assumed():
-    assert shared_memory_bytes(torch.device("cpu")) == TYPICAL_SHARED_MEMORY_BYTES
+# ---------------------------------------------------------------- prefill tiles
+
+@pytest.mark.parametrize("limits", DEVICES)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim_pad", [64, 128, 256])
+@pytest.mark.parametrize("element_bytes", [2, 4])
+def test_prefill_tiles_hold_whole_groups_and_fit_shared_memory(limits, group, head_dim_pad, element_bytes):
+    tiles = choose_prefill_tiles(group, head_dim_pad, element_bytes, 4096, limits)
+    assert tiles.rows >= MIN_DOT_ROWS and tiles.rows & (tiles.rows - 1) == 0
+    assert tiles.tokens == tiles.rows // group >= 1
+    used = requested_bytes(tiles.rows, tiles.tile_tokens, head_dim_pad, element_bytes, tiles.launch.num_stages)
+    assert used <= limits.shared_memory_bytes
+
+
+def test_long_16_bit_prefills_get_tensor_core_tiles_on_cuda():
+    assert choose_prefill_tiles(4, 128, 2, 4096, H100).rows == 128
+    assert choose_prefill_tiles(4, 128, 2, 4096, SMALL).rows == 64  # two stages of 128 rows do not fit
+
+
+def test_fp32_at_head_dim_256_fits_a_typical_sm_with_a_pipeline():
+    tiles = choose_prefill_tiles(1, 256, 4, 4096, SMALL)
+    assert tiles.launch.num_stages >= 2
+    assert requested_bytes(tiles.rows, tiles.tile_tokens, 256, 4, tiles.launch.num_stages) <= SMALL.shared_memory_bytes
+
+
+def test_the_interpreter_keeps_small_prefill_tiles():
+    assert choose_prefill_tiles(4, 128, 2, 4096, INTERPRETER_LIMITS).rows == 32
+
+
+def test_short_prefills_get_no_more_rows_than_they_fill():
+    assert choose_prefill_tiles(4, 128, 2, 3, H100).rows == MIN_DOT_ROWS  # 3 tokens x 4 heads
+
+
+def test_a_group_wider_than_every_tile_gets_one_token_per_program():
+    tiles = choose_prefill_tiles(256, 64, 2, 4096, H100)
+    assert (tiles.rows, tiles.tokens) == (256, 1)
+
+
+# ---------------------------------------------------------------- decode partitions
+
+def num_programs(num_seqs: int, num_kv_heads: int, context_len: int, partition_tokens: int) -> int:
+    """Programs of the decode grid: batch x KV heads x partitions of the longest context."""
+    return num_seqs * num_kv_heads * -(-context_len // partition_tokens)
+
+
+@pytest.mark.parametrize("limits", DEVICES)
+@pytest.mark.parametrize(("num_seqs", "num_kv_heads"), [(1, 1), (1, 8), (8, 8), (64, 8), (256, 2)])
+@pytest.mark.parametrize("context_len", [1, 300, 1024, 16384, 131072])
+def test_partitions_fill_the_sms_unless_already_at_the_shortest(limits, num_seqs, num_kv_heads, context_len):
+    length = choose_partition_tokens(num_seqs, num_kv_heads, context_len, limits)
+    assert MIN_PARTITION_TOKENS <= length <= MAX_PARTITION_TOKENS and length & (length - 1) == 0
+    programs = num_programs(num_seqs, num_kv_heads, context_len, length)
+    assert programs >= PROGRAMS_PER_SM * limits.sm_count or length == MIN_PARTITION_TOKENS
+    # and no longer split than needed: twice the length would leave SMs idle
+    if length < MAX_PARTITION_TOKENS:
+        assert num_programs(num_seqs, num_kv_heads, context_len, 2 * length) < PROGRAMS_PER_SM * limits.sm_count
+
+
+@pytest.mark.parametrize(("num_seqs", "context_len"), [(1, 16384), (4, 4096), (16, 2048)])
+def test_more_sms_get_shorter_partitions(num_seqs, context_len):
+    lengths = [choose_partition_tokens(num_seqs, 8, context_len, limits) for limits in (SMALL, A100, H100)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+
+
+def test_one_long_sequence_on_an_h100_is_split_across_the_sms():
+    # 8 KV heads x 64 partitions of 256 = 512 programs for 132 SMs
+    assert choose_partition_tokens(1, 8, 16384, H100) == 256
+
+
+def test_a_batch_that_fills_the_sms_alone_runs_one_partition():
+    assert choose_partition_tokens(64, 8, 4096, H100) == MAX_PARTITION_TOKENS
+
+
+def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
+    # A constexpr partition length or count would recompile the kernels as contexts grow.
+    from kernels import triton_decode
+
+    for kernel in (triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel):
+        params = inspect.signature(kernel.fn).parameters
+        for name in ("partition_tokens", "max_partitions"):
+            assert "constexpr" not in str(params[name].annotation), (kernel.fn.__name__, name)
