@@ -1,8 +1,9 @@
 """Paged decode attention (Triton) against torch SDPA on the same data laid out contiguously.
 
 Contiguous SDPA is the ideal that paging costs against. Paged decode is timed on its planned
-path, as the engine runs it: the plan (checks and launch sizes) is made once outside the timed
-call, so neither the checks nor a device sync are measured. For each batch x context size the
+path, as the engine runs it: the plan (checks, and the launch sizes chosen for the device,
+such as the partition length from the SM count) is made once outside the timed call, so
+neither the checks nor a device sync are measured. For each batch x context size the
 script reports both times, their ratio, and the bandwidth each achieves reading K and V,
 prints a table and writes JSON. Needs a CUDA GPU; exits cleanly without one.
 
@@ -34,6 +35,7 @@ class Row:
 
     batch: int
     context_len: int
+    partition_tokens: int  # the plan's choice for this device, batch and context
     paged_ms: float
     sdpa_ms: float
     paged_over_sdpa: float
@@ -112,6 +114,7 @@ def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float 
     return Row(
         batch=batch,
         context_len=context_len,
+        partition_tokens=plan.partition_tokens,
         paged_ms=paged_ms,
         sdpa_ms=sdpa_ms,
         paged_over_sdpa=paged_ms / sdpa_ms,
@@ -124,12 +127,12 @@ def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float 
 
 def print_table(rows: list[Row]) -> None:
     """A fixed-width table of the measurements."""
-    header = "batch  context  paged_ms  sdpa_ms  paged/sdpa  paged_GB/s  sdpa_GB/s  %peak  max_diff"
+    header = "batch  context  partition  paged_ms  sdpa_ms  paged/sdpa  paged_GB/s  sdpa_GB/s  %peak  max_diff"
     print(header)
     for r in rows:
         peak = f"{100 * r.paged_peak_fraction:5.1f}" if r.paged_peak_fraction else "    -"
         print(
-            f"{r.batch:5d}  {r.context_len:7d}  {r.paged_ms:8.4f}  {r.sdpa_ms:7.4f}  "
+            f"{r.batch:5d}  {r.context_len:7d}  {r.partition_tokens:9d}  {r.paged_ms:8.4f}  {r.sdpa_ms:7.4f}  "
             f"{r.paged_over_sdpa:10.3f}  {r.paged_gbps:10.1f}  {r.sdpa_gbps:9.1f}  {peak}  "
             f"{r.max_abs_diff:8.2e}"
         )
