@@ -40,3 +40,27 @@ def test_prefill_chunks_after_long_cached_prefixes(triton_ops, make_case, assert
     assert_matches(
         triton_ops.paged_prefill_attention(*args), reference.paged_prefill_attention(*args)
     )
+
+
+def test_decode_of_one_long_sequence_split_over_the_sms(triton_ops, make_case, assert_matches):
+    # One sequence: the plan splits it into many short partitions (more than one merge chunk).
+    case = make_case([16000], num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    query = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
+    plan = triton_ops.plan_decode(*args)
+    assert plan.num_partitions > 1
+    assert_matches(
+        triton_ops.paged_attention_decode(*args, 0.088, plan=plan), reference.paged_attention_decode(*args, 0.088)
+    )
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 256), (torch.bfloat16, 256), (torch.bfloat16, 64)])
+def test_prefill_tiles_chosen_for_the_device_compile_and_match(triton_ops, make_case, assert_matches, dtype, head_dim):
+    # fp32 at head_dim 256 is the tightest fit in shared memory; 3 heads per KV head leave rows idle.
+    case = make_case([600, 129], num_heads=9, num_kv_heads=3, head_dim=head_dim, dtype=dtype, device="cuda")
+    starts = torch.tensor([0, 600, 729], dtype=torch.int32, device="cuda")
+    query = torch.randn(729, 9, head_dim, device="cuda", dtype=dtype)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, starts, case.context_lens, 0.1)
+    assert_matches(
+        triton_ops.paged_prefill_attention(*args), reference.paged_prefill_attention(*args)
+    )
