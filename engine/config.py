@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_features import cpu_flags
+
 _BYTE_UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -54,12 +56,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def _cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
-            flags = cpuinfo.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 @dataclass(slots=True)

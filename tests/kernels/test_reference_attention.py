@@ -63,3 +63,27 @@ def test_decode_reference_matches_naive_attention_whatever_the_length_groups(con
     out = reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.25, plan=plan)
     expected = naive_prefill(query, key_cache, value_cache, tables, list(range(num_seqs + 1)), context_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("has_amx", [True, False])
+def test_bf16_decode_runs_in_bf16_only_where_the_cpu_has_amx_and_stays_close_to_fp32(
+    has_amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reference, "has_amx_for", lambda dtype: has_amx and dtype == torch.bfloat16)
+    assert reference._math_dtype(torch.bfloat16, torch.device("cpu")) == (
+        torch.bfloat16 if has_amx else torch.float32)
+    assert reference._math_dtype(torch.float16, torch.device("cpu")) == torch.float32
+    assert reference._math_dtype(torch.bfloat16, torch.device("meta")) == torch.float32  # never on a GPU
+    torch.manual_seed(2)
+    block_size, num_blocks, heads, kv_heads, dim = 8, 80, 6, 2, 16
+    context_lens = [70, 3, 40, 17]
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim).bfloat16()
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim).bfloat16()
+    tables = torch.randperm(num_blocks)[: 4 * 9].view(4, 9).to(torch.int32)
+    query = torch.randn(4, heads, dim).bfloat16()
+    out = reference.paged_attention_decode(query, key_cache, value_cache, tables,
+                                           torch.tensor(context_lens, dtype=torch.int32), 0.25)
+    expected = naive_prefill(query.float(), key_cache.float(), value_cache.float(), tables, list(range(5)),
+                             context_lens, 0.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 rounding of the output
