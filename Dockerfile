@@ -15,6 +15,7 @@ COPY engine /app/engine
 COPY kernels /app/kernels
 COPY api /app/api
 COPY worker /app/worker
+COPY cli /app/cli
 COPY migrations /app/migrations
 
 FROM ${PYTHON_IMAGE} AS slim
@@ -26,7 +27,7 @@ COPY --from=source /app /app
 RUN useradd --create-home pagedserve && mkdir -p /data /cache && chown pagedserve /data /cache
 
 FROM slim AS api
-# editable, so that alembic.ini and migrations/ are found beside the api package; no [engine]: the API needs no
+# editable, so that alembic.ini and migrations/ are found beside the cli package; no [engine]: the API needs no
 # torch, and reads the model a worker or `pagedserve prepare` converted into the shared /cache
 RUN pip install -e .
 USER pagedserve

@@ -1,1 +1,1 @@
-"""pagedserve job service: REST API, job store, auth and enqueueing (torch-free)."""
+"""pagedserve's HTTP API: routes, schemas, auth, the OpenAI layer (torch-free; stands on core, never on the worker)."""

@@ -110,7 +110,7 @@ def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterato
     """`pagedserve up` on a free port, a fresh data directory and its own embedded Redis, yielded once its
     worker has answered a warm-up request; stopped afterwards."""
     port = llama_cpp.free_port()
-    command = [sys.executable, "-m", "api.cli", "up", "--model", model, "--port", str(port),
+    command = [sys.executable, "-m", "cli.main", "up", "--model", model, "--port", str(port),
                "--data-dir", str(work_dir / "data"), "--redis-url", f"redis://127.0.0.1:{llama_cpp.free_port()}/0",
                *extra_flags]
     log_path = work_dir / "pagedserve-up.log"

@@ -31,8 +31,8 @@ def prompts(workload: Workload, vocab_size: int) -> list[list[int]]:
 def engine_kwargs(model: str, pagedserve_flags: list[str], concurrency: int) -> dict[str, Any]:
     """The worker's engine arguments under `pagedserve up --model model *pagedserve_flags`, with ``concurrency``
     sequences at most."""
-    from api.cli import settings_from
-    from api.cli_flags import add_settings_flags, command_settings
+    from cli.flags import add_settings_flags, command_settings
+    from cli.main import settings_from
     from worker.service import engine_kwargs as worker_engine_kwargs
 
     parser = argparse.ArgumentParser(prog="pagedserve up")

@@ -1,1 +1,1 @@
-"""Torch-free pieces that the API, the workers and the engine all stand on."""
+"""What the API and the workers both stand on: settings, job store, lifecycle, queue, streams, logging (torch-free)."""

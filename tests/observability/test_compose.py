@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,14 @@ def test_build_targets_exist_in_the_dockerfile_and_the_gpu_one_has_a_cuda_base(c
     targets = {s["build"]["target"] for s in compose["services"].values() if "build" in s}
     assert targets == {"api", "worker", "worker-cpu"} and targets <= set(base_of)
     assert "CUDA_IMAGE" in base_of["worker"] and "nvidia/cuda:" in dockerfile
+
+
+def test_the_image_copies_every_package_pyproject_installs() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\w+) /app/\1$", dockerfile, re.MULTILINE))
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    installed = {pattern.rstrip("*") for pattern in find["include"]}
+    assert "cli" in installed and installed <= copied, installed - copied
 
 
 def test_data_lives_in_declared_named_volumes(compose: dict[str, Any]) -> None:

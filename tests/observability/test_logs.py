@@ -44,7 +44,7 @@ def test_text_format_logs_the_event_then_key_value_pairs() -> None:
 
 
 def test_a_bad_log_format_flag_stops_the_command_naming_the_flag() -> None:
-    result = subprocess.run([sys.executable, "-m", "api.cli", "worker", "--log-format", "xml"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "cli.main", "worker", "--log-format", "xml"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "--log-format" in result.stderr
 

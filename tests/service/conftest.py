@@ -12,8 +12,8 @@ import pytest
 import redis
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from api import migrate
 from api.auth import create_api_key
+from cli import migrate
 from core.db import session_factory
 from core.settings import Settings, configure
 from tests.service.receiver import WebhookReceiver

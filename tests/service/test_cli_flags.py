@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from api import cli
-from api.cli_flags import API_ONLY, WORKER_ONLY
+from cli import main as cli
+from cli.flags import API_ONLY, WORKER_ONLY
 from core.settings import Settings, configure, get_settings
 from worker.service import engine_kwargs
 

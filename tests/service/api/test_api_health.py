@@ -41,7 +41,7 @@ def test_openapi_documents_the_job_routes(client: TestClient) -> None:
 
 def test_the_api_process_never_imports_torch(api_model_dir: Path) -> None:
     code = (
-        "import sys; from api.app import create_app; from api.cli import main; "
+        "import sys; from api.app import create_app; from cli.main import main; "
         f"from core.prompts import load_prompt_model; create_app(); load_prompt_model({str(api_model_dir)!r}); "
         "heavy = [m for m in ('torch', 'transformers', 'engine.llm_engine') if m in sys.modules]; "
         "assert not heavy, heavy"

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.cli import settings_env
+from cli.main import settings_env
 from core.settings import Settings
 from tests.service.procs import free_port, stop, wait_until
 
@@ -57,7 +57,7 @@ def unprepared_api(service_settings: Settings, tmp_path: Path) -> Iterator[tuple
         "model": "smollm2-135m-instruct", "cache_dir": tmp_path / "cache", "port": free_port(),
     })
     log = tmp_path / "api.log"
-    api = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=settings_env(settings),
+    api = subprocess.Popen([sys.executable, "-m", "cli.main", "api"], env=settings_env(settings),
                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{settings.port}"
     try:
@@ -88,7 +88,7 @@ def test_readyz_and_jobs_wait_for_the_model_until_prepare_converted_it(
     assert refused.status_code == 503 and "not prepared" in refused.json()["error"]["message"], refused.text
     assert refused.headers["Retry-After"]
 
-    prepare = subprocess.run([sys.executable, "-m", "api.cli", "prepare"], env=settings_env(settings),
+    prepare = subprocess.run([sys.executable, "-m", "cli.main", "prepare"], env=settings_env(settings),
                              capture_output=True, text=True, timeout=600)
     assert prepare.returncode == 0, prepare.stderr
     assert (settings.cache_dir / "smollm2-135m-instruct" / "config.json").is_file()

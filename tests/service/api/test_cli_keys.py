@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from api import migrate
+from cli import migrate
 from core.db import session_factory
 from core.lifecycle import transition
 from core.models import ApiKey, JobStatus
@@ -27,7 +27,7 @@ def pagedserve(service_settings: Settings) -> Cli:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         flags = ["--database-url", service_settings.resolved_database_url(),
                  "--data-dir", str(service_settings.data_dir)]
-        return subprocess.run([sys.executable, "-m", "api.cli", *args, *flags], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "cli.main", *args, *flags], capture_output=True, text=True,
                               timeout=120)
     return run
 

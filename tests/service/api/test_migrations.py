@@ -6,7 +6,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from api import migrate
+from cli import migrate
 from core.models import Base
 
 TABLES = {"api_keys", "jobs", "webhook_deliveries", "webhook_attempts", "files", "batches", "batch_requests"}

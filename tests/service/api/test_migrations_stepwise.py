@@ -11,8 +11,8 @@ from alembic.script import ScriptDirectory
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, inspect, text
 
-from api import migrate
 from api.app import create_app
+from cli import migrate
 from core.db import session_factory
 from core.lifecycle import transition
 from core.models import JobStatus
@@ -66,7 +66,7 @@ def test_cli_migrate_stops_at_the_named_revision_and_names_an_unknown_one(tmp_pa
     first = _revisions_oldest_first(url)[0]
 
     def pagedserve_migrate(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "api.cli", "migrate", *args, "--database-url", url],
+        return subprocess.run([sys.executable, "-m", "cli.main", "migrate", *args, "--database-url", url],
                               capture_output=True, text=True, timeout=120)
 
     stepped = pagedserve_migrate("--revision", first)

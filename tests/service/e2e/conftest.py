@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from api.cli import settings_env
+from cli.main import settings_env
 from core.settings import Settings
 from tests.service.procs import free_port, stop, wait_until
 
@@ -29,7 +29,7 @@ def live_api(service_settings: Settings, tmp_path_factory: pytest.TempPathFactor
     env = settings_env(settings)
     logs = tmp_path_factory.mktemp("logs")
     processes = [
-        subprocess.Popen([sys.executable, "-m", "api.cli", role], env=env,
+        subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env,
                          stdout=open(logs / f"{role}.log", "wb"), stderr=subprocess.STDOUT)
         for role in ("api", "worker")
     ]

@@ -25,7 +25,7 @@ def pagedserve(live_api: str, auth_headers: dict[str, str]) -> Cli:
     token = auth_headers["Authorization"].removeprefix("Bearer ")
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "api.cli", *args, "--api-url", live_api, "--api-key", token],
+        return subprocess.run([sys.executable, "-m", "cli.main", *args, "--api-url", live_api, "--api-key", token],
                               capture_output=True, text=True, timeout=300)
 
     return run

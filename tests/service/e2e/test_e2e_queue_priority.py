@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.app import create_app
-from api.cli import settings_env
+from cli.main import settings_env
 from core import queue, streams
 from core.db import session_factory
 from core.models import Job, JobStatus
@@ -62,7 +62,7 @@ def test_an_urgent_job_overtakes_a_backlog_of_thousands(
     urgent = client.post("/v1/jobs", json={**body, "priority": -1000}, headers=auth_headers).json()["id"]
     levels = [streams.redis_client().llen(key) for key in queue.broker_queue_keys(queue.JOBS_QUEUE)]
     assert levels[0] == 1 and levels[queue.MIDDLE_LEVEL] == BACKLOG
-    worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=settings_env(service_settings),
+    worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], env=settings_env(service_settings),
                               stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT)
     try:
         # stop at the urgent job's end, or once a tenth of the backlog is done (it did not overtake)

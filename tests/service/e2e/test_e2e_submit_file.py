@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.client import retry_delay_s
+from cli.client import retry_delay_s
 from core.settings import Settings
 from tests.service.procs import wait_until
 
@@ -42,7 +42,7 @@ def _submit_file(
     """Run `pagedserve submit-file` on these lines with a state file in tmp_path."""
     path = tmp_path / "jobs.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    command = [sys.executable, "-m", "api.cli", "submit-file", str(path), "--api-url", live_api,
+    command = [sys.executable, "-m", "cli.main", "submit-file", str(path), "--api-url", live_api,
                "--api-key", headers["Authorization"].removeprefix("Bearer "),
                "--state", str(tmp_path / "state.json"), "--output", str(tmp_path / "results.jsonl")]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -26,7 +26,7 @@ def test_up_starts_everything_and_serves_a_curl_job(tiny_model_dir: Path, tmp_pa
         "PAGEDSERVE_KV_CACHE_MEMORY": "32MiB", "PAGEDSERVE_SWAP_SPACE": "32MiB", "PAGEDSERVE_MAX_NUM_SEQS": "8",
     }
     log = tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "api.cli", "up"], env=env, stdout=log.open("wb"),
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up"], env=env, stdout=log.open("wb"),
                           stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: "development API key: psk_" in log.read_text(), 60, "`up` to print its API key")

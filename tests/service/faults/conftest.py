@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.cli import settings_env
+from cli.main import settings_env
 from core.settings import Settings, configure
 from tests.service.faults.servers import PrivateRedis
 from tests.service.procs import free_port, stop, wait_until
@@ -64,7 +64,7 @@ class ServiceProcesses:
 
     def _spawn(self, role: str, settings: Settings, log_name: str) -> subprocess.Popen[bytes]:
         log = open(self.logs / log_name, "ab")
-        return subprocess.Popen([sys.executable, "-m", "api.cli", role], env=settings_env(settings),
+        return subprocess.Popen([sys.executable, "-m", "cli.main", role], env=settings_env(settings),
                                 stdout=log, stderr=subprocess.STDOUT)
 
     def start_api(self) -> str:

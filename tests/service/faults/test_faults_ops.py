@@ -13,7 +13,7 @@ from datetime import datetime
 import httpx
 import pytest
 
-from api.cli import settings_env
+from cli.main import settings_env
 from core.settings import Settings, configure
 from tests.observability.promtext import value
 from tests.service.e2e.support import wait_final
@@ -43,7 +43,7 @@ def client(service_procs: ServiceProcesses, auth_headers: dict[str, str]) -> Ite
 def _start_worker(procs: ServiceProcesses, **overrides: object) -> tuple[subprocess.Popen[bytes], Settings]:
     settings = procs.settings.model_copy(update={"metrics_port": free_port(), **overrides})
     log = open(procs.logs / f"worker-ops-{len(procs.workers)}.log", "ab")
-    worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=settings_env(settings),
+    worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], env=settings_env(settings),
                               stdout=log, stderr=subprocess.STDOUT)
     procs.workers.append(worker)
     return worker, settings

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api.cli_flags import add_settings_flags, command_settings, flag_errors
+from cli.flags import add_settings_flags, command_settings, flag_errors
 from core.settings import Settings, configure
 
 DEV_KEY_FILE = "dev-api-key"
@@ -96,7 +96,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> None:
     """Migrate the job store to a revision (default: head)."""
     from alembic.util import CommandError
 
-    from api import migrate
+    from cli import migrate
 
     try:
         migrate.upgrade(settings.resolved_database_url(), args.revision)
@@ -126,7 +126,7 @@ def _stop_on_signal(signum: int, _frame: object) -> None:
 
 def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
     """Start everything on the embedded default: the model prepared, store, Redis if needed, one worker and the API."""
-    from api import migrate
+    from cli import migrate
     from core.embedded_redis import redis_reachable, start_redis
 
     check_startup(settings, "up")
@@ -138,7 +138,7 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
         migrate.upgrade(settings.resolved_database_url())
         token = dev_api_key(settings)
         env = settings_env(settings)
-        children += [subprocess.Popen([sys.executable, "-m", "api.cli", role], env=env) for role in ("worker", "api")]
+        children += [subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env) for role in ("worker", "api")]
         url = f"http://{settings.host}:{settings.port}"
         print(f"pagedserve is up: {url}  (docs: {url}/docs)\ndevelopment API key: {token}", flush=True)
         while all(child.poll() is None for child in children):
@@ -154,9 +154,9 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from api.client import add_client_commands
-    from api.key_commands import add_key_commands
     from api.routes.version import pagedserve_version
+    from cli.client import add_client_commands
+    from cli.key_commands import add_key_commands
 
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pagedserve {pagedserve_version()}")

@@ -1,0 +1,1 @@
+"""The `pagedserve` command, above everything: it starts the API and workers, prepares models, migrates the store."""
