@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from core.job_payload import JobOut
 from core.models import DeliveryStatus
+from core.sampling_fields import SAMPLING_FIELDS
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -24,29 +25,38 @@ NulFreeStr = Annotated[str, AfterValidator(_nul_free)]
 MetadataValue = NulFreeStr | int | float | bool | None
 
 
+def _sampling_field(name: str) -> Any:
+    """The field of sampling parameter `name`: default and bounds as core/sampling_fields.py declares them."""
+    spec = SAMPLING_FIELDS[name]
+    if spec.max_items is not None:  # a list: its items are checked by the validators below
+        return Field(spec.default, max_length=spec.max_items, description=spec.description)
+    bounds = spec.service
+    low_bound = {"gt" if bounds.low_exclusive else "ge": bounds.low} if bounds.low is not None else {}
+    return Field(spec.default, **low_bound, le=bounds.high, description=spec.description)
+
+
 class SamplingParamsIn(BaseModel):
     """Sampling parameters, as the engine's SamplingParams takes them."""
 
     model_config = _STRICT
 
-    n: int = Field(1, ge=1, le=16)
-    max_tokens: int = Field(16, ge=1, le=32768)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=100_000)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[NulFreeStr] | None = Field(None, max_length=16)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=32768)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    # logits are divided or multiplied by it: the engine refuses values below 0.01
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    beam_width: int = Field(1, ge=1, le=16, description="beam search with this many beams when > 1")
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="beam score = logprob / length**penalty")
+    n: int = _sampling_field("n")
+    max_tokens: int = _sampling_field("max_tokens")
+    temperature: float = _sampling_field("temperature")
+    top_p: float = _sampling_field("top_p")
+    top_k: int = _sampling_field("top_k")
+    min_p: float = _sampling_field("min_p")
+    seed: int | None = _sampling_field("seed")
+    stop: list[NulFreeStr] | None = _sampling_field("stop")
+    stop_token_ids: list[int] | None = _sampling_field("stop_token_ids")
+    ignore_eos: bool = _sampling_field("ignore_eos")
+    min_tokens: int = _sampling_field("min_tokens")
+    logprobs: int | None = _sampling_field("logprobs")
+    repetition_penalty: float = _sampling_field("repetition_penalty")
+    presence_penalty: float = _sampling_field("presence_penalty")
+    frequency_penalty: float = _sampling_field("frequency_penalty")
+    beam_width: int = _sampling_field("beam_width")
+    length_penalty: float = _sampling_field("length_penalty")
 
     @field_validator("top_k")
     @classmethod
