@@ -55,22 +55,20 @@ class EngineRun:
 
 
 def probe_steps(engine: Any, samples: StepSamples) -> None:
-    """Wrap ``engine.scheduler.schedule`` so each non-empty step records batch size and KV state."""
-    schedule = engine.scheduler.schedule
+    """Observe ``engine``'s steps: each non-empty one records batch size and KV state once scheduled."""
 
-    def probed() -> Any:
-        out = schedule()
-        if not out.is_empty:
-            stats = engine.stats()
-            samples.batch_sizes.append(len(out.scheduled))
-            samples.kv_waste.append(stats.kv_cache_waste_ratio)
-            samples.kv_usage.append(stats.kv_cache_usage)
-            tables = [engine.block_manager.tables[item.seq.seq_id] for item in out.scheduled]
-            samples.blocks_shared.append(len({block for table in tables for block in table}))
-            samples.blocks_unshared.append(sum(len(table) for table in tables))
-        return out
+    def observe(out: Any) -> None:
+        if out.is_empty:
+            return
+        stats = engine.stats()
+        samples.batch_sizes.append(len(out.scheduled))
+        samples.kv_waste.append(stats.kv_cache_waste_ratio)
+        samples.kv_usage.append(stats.kv_cache_usage)
+        tables = [item.block_table for item in out.scheduled]
+        samples.blocks_shared.append(len({block for table in tables for block in table}))
+        samples.blocks_unshared.append(sum(len(table) for table in tables))
 
-    engine.scheduler.schedule = probed
+    engine.step_observers.append(observe)
 
 
 def run_engine(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import BeamHypothesis, Sequence
+from engine.sequence import BeamHypothesis, Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -25,6 +25,23 @@ class BeamStep:
     choices: list[BeamChoice]
     finished: list[BeamHypothesis]
     done: bool
+
+    def extensions(self, num_beams: int) -> list[list[BeamChoice]]:
+        """For each beam, the continuations that extend it (none: the beam is dropped; all are once done)."""
+        per_beam: list[list[BeamChoice]] = [[] for _ in range(num_beams)]
+        if not self.done:
+            for choice in self.choices:
+                per_beam[choice.parent].append(choice)
+        return per_beam
+
+
+@dataclass(slots=True)
+class BeamAdvance:
+    """One request's beam-search step, for the scheduler to apply: its beams and what becomes of them."""
+
+    group: SequenceGroup
+    beams: list[Sequence]
+    step: BeamStep
 
 
 def _normalised(cumulative_logprob: float, num_generated: int, length_penalty: float) -> float:
@@ -77,3 +94,36 @@ def beam_step(
     # no running beam can still beat the worst of beam_width finished ones (transformers' heuristic)
     done = best_running is None or (len(ranked) >= beam_width and best_running <= ranked[-1].score)
     return BeamStep(choices, finished, done)
+
+
+def _ready_beams(
+    group: SequenceGroup, rows: list[tuple[Sequence, torch.Tensor]],
+) -> tuple[list[Sequence], torch.Tensor] | None:
+    """Keep this step's next-token logits of ``group``'s beams; once every running beam has its row (after
+    a recompute, beams may catch up in different steps), the beams and their rows stacked in that order."""
+    pending = group.pending_beam_logits
+    pending.update((seq.seq_id, row) for seq, row in rows)
+    beams = group.seqs_with_status(SequenceStatus.RUNNING)
+    if len(pending) < len(beams):
+        return None
+    return beams, torch.stack([pending.pop(beam.seq_id) for beam in beams])
+
+
+def advance_beams(
+    group: SequenceGroup, rows: list[tuple[Sequence, torch.Tensor]], eos_token_ids: set[int],
+) -> BeamAdvance | None:
+    """The request's next beam-search step from its beams' logits rows; None while some beam still lacks one."""
+    ready = _ready_beams(group, rows)
+    if ready is None:
+        return None
+    beams, logits = ready
+    params = group.params
+    eos = set() if params.ignore_eos else eos_token_ids
+    step = beam_step(beams, logits, params.beam_width, params.max_tokens, params.length_penalty, eos,
+                     group.beam_hypotheses)
+    return BeamAdvance(group, beams, step)
+
+
+def best_hypotheses(group: SequenceGroup) -> list[BeamHypothesis]:
+    """A finished beam-search request's ``beam_width`` best hypotheses, best first."""
+    return sorted(group.beam_hypotheses, key=lambda h: h.score, reverse=True)[: group.params.beam_width]

@@ -112,6 +112,10 @@ class BlockManager:
             table.append(self.gpu.allocate())
         return copies
 
+    def block_table(self, seq: Sequence) -> list[int]:
+        """The device blocks holding ``seq``'s tokens, in order (the manager's own list: read, don't keep)."""
+        return self.tables[seq.seq_id]
+
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Index every newly full, computed block of ``seq`` by its chained content hash."""
         hashes = self.hashes[seq.seq_id]

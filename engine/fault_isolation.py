@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -121,12 +121,12 @@ class FaultIsolator:
     """Runs engine steps so that a request whose step raises fails alone, with the error on it."""
 
     def __init__(
-        self, scheduler: Scheduler, schedule: Callable[[], list[ScheduledSeq]],
-        execute: Callable[[list[ScheduledSeq]], None],
+        self, scheduler: Scheduler, schedule: Callable[[], SchedulerOutput],
+        execute: Callable[[SchedulerOutput], None],
     ) -> None:
         self.scheduler = scheduler
         self.schedule = schedule  # picks the step's work and moves its blocks
-        self.execute = execute  # runs the model, samples and updates the requests
+        self.execute = execute  # runs the model, samples and updates the scheduler and requests
         self.num_failed_requests = 0
 
     def step(self) -> list[SequenceGroup]:
@@ -139,15 +139,15 @@ class FaultIsolator:
             self._isolate(suspects, error, touched)
         return list(touched.values())
 
-    def _try(self, scheduled: list[ScheduledSeq], touched: dict[int, SequenceGroup]) -> Exception | None:
+    def _try(self, out: SchedulerOutput, touched: dict[int, SequenceGroup]) -> Exception | None:
         """Run one step; on an exception, roll its requests back and return it."""
-        groups = _groups_of(scheduled)
+        groups = _groups_of(out.scheduled)
         touched.update((id(g), g) for g in groups)
-        if not scheduled:
+        if out.is_empty:
             return None
         checkpoint = StepCheckpoint.capture(groups)
         try:
-            self.execute(scheduled)
+            self.execute(out)
         except Exception as exc:  # whatever a request makes the model or sampler raise
             checkpoint.roll_back(self.scheduler)
             return exc
@@ -168,10 +168,10 @@ class FaultIsolator:
         """Step ``groups`` alone until each has caught up; the error if a step of theirs raised."""
         with self.scheduler.restricted_to(groups):
             while not all(_caught_up(group) for group in groups):
-                scheduled = self.schedule()
-                if not scheduled:  # no room to run them alone: no evidence, they run as usual later
+                out = self.schedule()
+                if out.is_empty:  # no room to run them alone: no evidence, they run as usual later
                     return None
-                error = self._try(scheduled, touched)
+                error = self._try(out, touched)
                 if error is not None:
                     return error
         return None

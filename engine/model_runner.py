@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine
 from engine.models.llama import LlamaForCausalLM
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.checks import HostTables
 
 
@@ -55,65 +54,71 @@ class StagingBuffer:
 class HostStep:
     """One step's flattened batch built on the host (decodes first), and the kernels' host copies."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    sampled_rows: list[int]
-    sampled: list[ScheduledSeq]
-    decode: HostTables
-    prefill: HostTables
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    sampled_rows: list[int] = field(default_factory=list)
+    sampled: list[ScheduledSeq] = field(default_factory=list)
+    decode: HostTables = field(default_factory=lambda: HostTables([], []))
+    prefill: HostTables = field(default_factory=lambda: HostTables([], [], [0]))
+
+    def add_tokens(self, item: ScheduledSeq, start: int, end: int, slots: list[int]) -> None:
+        """Positions ``start:end`` of the item's sequence; its last row is sampled once it covers every token."""
+        self.input_ids += item.seq.token_ids[start:end]
+        self.positions += range(start, end)
+        self.slots += slots
+        if end == item.seq.num_tokens:
+            self.sampled_rows.append(len(self.input_ids) - 1)
+            self.sampled.append(item)
 
 
 class ModelRunner:
     """Builds ``input_ids``, ``positions``, ``slot_mapping`` and block tables once per step, on the
-    host, and sends them to the device in one transfer."""
+    host, from the ``SchedulerOutput`` alone, and sends them to the device in one transfer."""
 
-    def __init__(
-        self, model: LlamaForCausalLM, cache: CacheEngine, block_manager: BlockManager, device: torch.device
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, block_size: int, device: torch.device) -> None:
         self.model = model
         self.cache = cache
-        self.block_manager = block_manager
-        self.block_size = block_manager.block_size
+        self.block_size = block_size
         self.device = device
         self.staging = StagingBuffer(device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one forward pass; returns the logits of every sequence that reached its last
         token, and those sequences in the same order."""
-        step = self._host_step(scheduled)
+        step = self._prepare(out)
         input_ids, positions, meta, sampled_rows = self._upload(step)
         hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
         return self.model.compute_logits(hidden.index_select(0, sampled_rows)), step.sampled
 
-    def _host_step(self, scheduled: list[ScheduledSeq]) -> HostStep:
-        """The flattened batch on the host, decodes first: one Python pass over the sequences."""
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        tables = [self.block_manager.tables[s.seq.seq_id] for s in decodes + prefills]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefill_starts = [0]
-        sampled_rows: list[int] = []
-        sampled: list[ScheduledSeq] = []
-        for s, table in zip(decodes + prefills, tables):
-            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
-            input_ids += s.seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += _slots(table, start, end, self.block_size)
-            if s.num_new_tokens > 1:
-                prefill_starts.append(prefill_starts[-1] + s.num_new_tokens)
-            # the last token of a sequence that now covers all its tokens yields the next token
-            if end == s.seq.num_tokens:
-                sampled_rows.append(len(input_ids) - 1)
-                sampled.append(s)
-        decode = HostTables(tables[: len(decodes)], [s.seq.num_computed_tokens + 1 for s in decodes])
-        prefill = HostTables(
-            tables[len(decodes) :], [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], prefill_starts,
+    def _prepare(self, out: SchedulerOutput) -> HostStep:
+        """The flattened batch on the host: decodes first, then prefills (chunks of more than one token)."""
+        step = HostStep()
+        self._prepare_decodes([s for s in out.scheduled if s.num_new_tokens == 1], step)
+        self._prepare_prefills([s for s in out.scheduled if s.num_new_tokens > 1], step)
+        return step
+
+    def _prepare_decodes(self, decodes: list[ScheduledSeq], step: HostStep) -> None:
+        """One token each, at the sequence's next position."""
+        block_size = self.block_size
+        for item in decodes:
+            position = item.seq.num_computed_tokens
+            slot = item.block_table[position // block_size] * block_size + position % block_size
+            step.add_tokens(item, position, position + 1, [slot])
+        step.decode = HostTables([s.block_table for s in decodes], [s.seq.num_computed_tokens + 1 for s in decodes])
+
+    def _prepare_prefills(self, prefills: list[ScheduledSeq], step: HostStep) -> None:
+        """A chunk of tokens each, after those already in the cache."""
+        query_start_loc = [0]
+        for item in prefills:
+            start, end = item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_new_tokens
+            step.add_tokens(item, start, end, _slots(item.block_table, start, end, self.block_size))
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+        step.prefill = HostTables(
+            [s.block_table for s in prefills], [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills],
+            query_start_loc,
         )
-        return HostStep(input_ids, positions, slots, sampled_rows, sampled, decode, prefill)
 
     def _upload(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``input_ids``, ``positions``, the attention metadata and the sampled rows on the device,

@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager, BlockMapping
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
+if TYPE_CHECKING:  # the sampler's types: the scheduler only reads them
+    import torch
+
+    from engine.beam_search import BeamAdvance
+    from engine.sampler import SampleResult
+    from engine.step_sampler import SamplerOutput
+
+# why a token just appended to a sequence ends it ("stop", "length"), or None; it also decodes the text
+FinishCheck = Callable[[SequenceGroup, Sequence, int], str | None]
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One sequence computing ``num_new_tokens`` tokens this step."""
+    """One sequence computing ``num_new_tokens`` tokens this step, into the blocks of ``block_table``."""
 
     group: SequenceGroup
     seq: Sequence
     num_new_tokens: int
+    block_table: list[int]
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Plain data handed from the scheduler to the cache engine and model runner."""
+    """Plain data handed from the scheduler to the cache engine and model runner (its only input)."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_swap_out: BlockMapping = field(default_factory=list)
@@ -38,8 +51,10 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SchedulerCounters:
-    """Cumulative preemption and swap counts."""
+    """Cumulative token, preemption and swap counts."""
 
+    prompt_tokens: int = 0  # prompt tokens computed, recomputation included
+    generation_tokens: int = 0
     num_preemptions: int = 0
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0
@@ -108,9 +123,13 @@ class Scheduler:
                 for group in others:
                     self._insert(queue, group)
 
-    def free_seq(self, seq: Sequence) -> None:
-        """Release a finished sequence's blocks."""
-        self.block_manager.free(seq)
+    def running_seqs(self) -> list[Sequence]:
+        """Sequences holding device blocks and decoding."""
+        return [seq for group in self.running for seq in group.seqs_with_status(SequenceStatus.RUNNING)]
+
+    def num_queued_seqs(self) -> tuple[int, int]:
+        """Unfinished sequences waiting, and swapped out."""
+        return sum(len(g.unfinished_seqs) for g in self.waiting), sum(len(g.unfinished_seqs) for g in self.swapped)
 
     def num_running_seqs(self) -> int:
         """Sequences currently holding device blocks and decoding."""
@@ -170,7 +189,7 @@ class Scheduler:
             if num_new == 0:
                 continue
             out.blocks_to_copy.extend(self.block_manager.append_slots(seq, num_new))
-            out.scheduled.append(ScheduledSeq(group, seq, num_new))
+            out.scheduled.append(ScheduledSeq(group, seq, num_new, self.block_manager.block_table(seq)))
             budget[0] -= num_new
 
     def _blocks_needed(self, group: SequenceGroup, budget: list[int]) -> int:
@@ -265,3 +284,77 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, group)
+
+    # ---- after the step ------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: SamplerOutput, finish_reason: FinishCheck) -> None:
+        """Apply a step that ran ``out`` and sampled ``sampled``: progress, beams, new tokens, finished sequences
+        (their blocks freed) and finished requests (off the running queue)."""
+        now = time.monotonic()
+        for item in out.scheduled:
+            seq = item.seq
+            self.counters.prompt_tokens += max(
+                0, min(seq.prompt_len, seq.num_computed_tokens + item.num_new_tokens) - seq.num_computed_tokens)
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_computed_blocks(seq)
+            if item.group.first_scheduled_time is None:
+                item.group.first_scheduled_time = now
+        for advance in sampled.beams:
+            self._apply_beams(advance, now)
+        for item in sampled.samples:
+            # an n-way prompt forks before it takes its token: the samples share its blocks
+            forks = [self._fork(item.group, item.seq, generator) for generator in item.fork_generators]
+            for seq, result in zip([item.seq, *forks], item.results):
+                self._append_token(item.group, seq, result, now, finish_reason)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence, generator: torch.Generator | None) -> Sequence:
+        child = group.add_sample(parent, generator)
+        self.block_manager.fork(parent, child)
+        return child
+
+    def _finish_request(self, group: SequenceGroup, now: float) -> None:
+        group.finished_time = now
+        self.running.remove(group)
+
+    def _append_token(
+        self, group: SequenceGroup, seq: Sequence, result: SampleResult, now: float, finish_reason: FinishCheck,
+    ) -> None:
+        token = result.token_id
+        seq.token_ids.append(token)
+        self.counters.generation_tokens += 1
+        if group.first_token_time is None:
+            group.first_token_time = now
+        if result.logprobs is not None:
+            seq.logprobs.append(result.logprobs)
+            seq.cumulative_logprob += result.logprobs[token]
+        reason = finish_reason(group, seq, token)
+        if reason is None:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if group.is_finished:
+            self._finish_request(group, now)
+
+    def _apply_beams(self, advance: BeamAdvance, now: float) -> None:
+        """Fork kept beams (sharing blocks), drop the rest (freeing what they alone held), record hypotheses."""
+        group, step = advance.group, advance.step
+        group.beam_hypotheses += step.finished
+        self.counters.generation_tokens += len(step.choices)
+        if group.first_token_time is None:
+            group.first_token_time = now
+        kept: list[Sequence] = []
+        for beam, extensions in zip(advance.beams, step.extensions(len(advance.beams))):
+            if not extensions:
+                beam.status = SequenceStatus.FINISHED
+                self.block_manager.free(beam)
+                continue
+            forks = [beam.fork() for _ in extensions[1:]]
+            for fork in forks:
+                self.block_manager.fork(beam, fork)
+            for seq, choice in zip([beam, *forks], extensions):
+                seq.token_ids.append(choice.token_id)
+                seq.cumulative_logprob = choice.cumulative_logprob
+                kept.append(seq)
+        group.seqs = kept
+        if step.done:
+            self._finish_request(group, now)

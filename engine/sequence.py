@@ -137,13 +137,18 @@ class SequenceGroup:
         """True when every sequence is finished."""
         return all(seq.is_finished for seq in self.seqs)
 
-    def add_sample(self, parent: Sequence) -> Sequence:
-        """Fork ``parent`` into this ``n > 1`` request's next sample. A seeded sample gets its own
-        generator, so its draws never depend on when its siblings are scheduled (after a recompute,
-        they may catch up in different steps)."""
+    def sample_generator(self, index: int) -> torch.Generator | None:
+        """The generator of this ``n > 1`` request's sample ``index`` (1..n-1), None unless seeded. A seeded
+        sample draws from its own, so its draws never depend on when its siblings are scheduled (after a
+        recompute, they may catch up in different steps)."""
+        if self.params.seed is None:
+            return None
+        return torch.Generator().manual_seed(hash((self.params.seed, index)) % 2**63)
+
+    def add_sample(self, parent: Sequence, generator: torch.Generator | None) -> Sequence:
+        """Fork ``parent`` into this ``n > 1`` request's next sample, drawing from ``generator``."""
         child = parent.fork()
-        if self.params.seed is not None:
-            child.generator = torch.Generator().manual_seed(hash((self.params.seed, len(self.seqs))) % 2**63)
+        child.generator = generator
         self.seqs.append(child)
         return child
 

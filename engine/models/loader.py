@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from engine.models.cpu_packing import pack_linear_layers, packing_applies
 from engine.models.llama import LlamaForCausalLM
@@ -79,3 +80,18 @@ def load_model(
     if packing_applies(dtype, device, weight_packing):
         pack_linear_layers(model)
     return model
+
+
+def eos_token_ids(folder: Path, config: PretrainedConfig, tokenizer: Any) -> set[int]:
+    """Every end-of-sequence id the config, the tokenizer and ``generation_config.json`` name."""
+    ids: set[int] = set()
+    for source in (config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else value or [])
+    try:
+        value = GenerationConfig.from_pretrained(folder).eos_token_id
+        ids.update([value] if isinstance(value, int) else value or [])
+    except OSError:
+        pass
+    # an id past the logits (a stale config) could never be sampled, and would break suppression
+    return {i for i in ids if 0 <= i < config.vocab_size}

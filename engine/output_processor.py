@@ -1,0 +1,84 @@
+"""Generated tokens → text and results: detokenizing, stop checks and each step's ``RequestOutput``s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.beam_search import best_hypotheses
+from engine.detokenizer import decode_new_text, find_stop_string
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sequence import Sequence, SequenceGroup
+
+
+class OutputProcessor:
+    """Keeps the live requests by id, decides when a new token ends its sequence, and reports requests."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.groups: dict[str, SequenceGroup] = {}  # added and not yet reported finished
+
+    # ---- stop checks ---------------------------------------------------------------
+    def finish_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
+        """Why ``token``, just appended to ``seq``, ends it ("stop" or "length"), or None; decodes its text."""
+        reason = self._stop_reason(group, seq, token)
+        if reason is None:
+            return None
+        if reason == "stop_string":  # its text was cut where the stop string starts
+            return "stop"
+        decode_new_text(self.tokenizer, seq, final=True)
+        return reason
+
+    def _stop_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
+        params = group.params
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
+            return "stop"
+        delta = decode_new_text(self.tokenizer, seq)
+        if may_stop and params.stop and delta:
+            index = find_stop_string(seq.text, len(delta), params.stop)
+            if index is not None:
+                seq.text = seq.text[:index]
+                return "stop_string"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- outputs -------------------------------------------------------------------
+    def make_outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """One output per request (a request listed twice is reported once); finished ones are forgotten."""
+        unique = {group.request_id: group for group in groups}
+        return [self._output(group) for group in unique.values()]
+
+    def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
+        return [
+            CompletionOutput(
+                index=i, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True), token_ids=h.token_ids,
+                finish_reason=h.finish_reason, cumulative_logprob=h.cumulative_logprob,
+            )
+            for i, h in enumerate(best_hypotheses(group))
+        ]
+
+    def _sample_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
+        want_logprobs = group.params.logprobs is not None
+        return [
+            CompletionOutput(
+                index=i, text=seq.text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                logprobs=list(seq.logprobs) if want_logprobs else None, cumulative_logprob=seq.cumulative_logprob,
+            )
+            for i, seq in enumerate(group.seqs)
+        ]
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        finished = group.is_finished
+        if group.params.is_beam_search:  # beams reorder every step: report them once, when final
+            outputs = self._beam_outputs(group) if finished else []
+        else:
+            outputs = self._sample_outputs(group)
+        if finished:
+            self.groups.pop(group.request_id, None)
+        metrics = RequestMetrics(
+            group.arrival_time, group.first_scheduled_time, group.first_token_time, group.finished_time)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics,
+                             error=group.error)
