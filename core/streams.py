@@ -46,12 +46,13 @@ def cancel_key(job_id: str) -> str:
     return key("cancel", job_id)
 
 
-def publish_tokens(client: redis.Redis, job_id: str, deltas: list[dict[str, Any]]) -> None:
-    """Append token deltas ({index, text, token_ids}) to a job's event stream."""
+def publish_tokens(client: redis.Redis, deltas_by_job: dict[str, list[dict[str, Any]]]) -> None:
+    """Append token deltas ({index, text, token_ids}) to each job's event stream, in one round trip."""
     pipe = client.pipeline(transaction=False)
-    for delta in deltas:
-        pipe.xadd(events_key(job_id), {"type": "token", "data": json.dumps(delta)})
-    pipe.expire(events_key(job_id), EVENTS_TTL_S)
+    for job_id, deltas in deltas_by_job.items():
+        for delta in deltas:
+            pipe.xadd(events_key(job_id), {"type": "token", "data": json.dumps(delta)})
+        pipe.expire(events_key(job_id), EVENTS_TTL_S)
     pipe.execute()
 
 

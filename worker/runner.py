@@ -1,11 +1,11 @@
-"""Runs one job: claim it in the store, feed it to the engine service, stream its tokens, record the result."""
+"""Runs one job: claim it in the store, feed it to the engine service, record its first token and its result
+(its tokens reach the event stream through the service's token sink, worker/token_stream.py)."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import update
@@ -17,34 +17,10 @@ from core.logging import log_event
 from core.models import Job, JobStatus, utcnow
 from worker import drain, heartbeat
 from worker.engine_service import EngineService
+from worker.token_stream import request_id_for
 
 logger = logging.getLogger("pagedserve.worker")
 CANCEL_POLL_S = 0.2
-
-
-@dataclass(slots=True)
-class _Progress:
-    """What a job has streamed so far, per completion index."""
-
-    texts: dict[int, str] = field(default_factory=dict)
-    token_counts: dict[int, int] = field(default_factory=dict)
-    first_token_seen: bool = False
-
-    def deltas(self, output: Any) -> list[dict[str, Any]]:
-        """New text and token ids since the last output, one entry per completion that grew."""
-        deltas = []
-        for completion in output.outputs:
-            text_seen = len(self.texts.get(completion.index, ""))
-            tokens_seen = self.token_counts.get(completion.index, 0)
-            if len(completion.token_ids) > tokens_seen or len(completion.text) > text_seen:
-                deltas.append({
-                    "index": completion.index,
-                    "text": completion.text[text_seen:],
-                    "token_ids": list(completion.token_ids[tokens_seen:]),
-                })
-            self.texts[completion.index] = completion.text
-            self.token_counts[completion.index] = len(completion.token_ids)
-        return deltas
 
 
 def _claimable_from(job: Job) -> set[JobStatus]:
@@ -107,12 +83,12 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
     except (TypeError, ValueError) as exc:
         _finish(job, JobStatus.failed, error=f"invalid sampling parameters: {exc}")
         return
-    request_id = f"{job_id}#{job.attempts}"
+    request_id = request_id_for(job_id, job.attempts)
     redis = streams.redis_client()
     if job.attempts > 1:  # a redelivered job starts over: its stream must not mix two attempts
         streams.publish_restart(redis, job_id, job.attempts)
     handle = service.submit(request_id, job.prompt_token_ids or job.prompt, params, job.priority)
-    progress = _Progress()
+    first_token_seen = False
     next_cancel_check = 0.0
     while True:
         if time.monotonic() >= next_cancel_check:
@@ -132,12 +108,10 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
         if isinstance(item, Exception):
             _finish(job, JobStatus.failed, error=str(item))
             return
-        deltas = progress.deltas(item)
-        if deltas:
-            streams.publish_tokens(redis, job_id, deltas)
-            if not progress.first_token_seen:
-                progress.first_token_seen = True
-                _mark_first_token(job_id)
+        # the engine service's token sink has published the tokens; this thread records milestones
+        if not first_token_seen and any(c.token_ids for c in item.outputs):
+            first_token_seen = True
+            _mark_first_token(job_id)
         if item.finished:
             choices = _choices(item)
             completion_tokens = sum(len(c["token_ids"]) for c in choices)

@@ -12,6 +12,7 @@ from core.settings import Settings, get_settings
 from worker import heartbeat
 from worker.engine_service import EngineService
 from worker.metrics import WorkerMetrics
+from worker.token_stream import TokenPublisher
 
 logger = logging.getLogger("pagedserve.worker")
 _lock = threading.Lock()
@@ -54,10 +55,12 @@ def engine_service() -> EngineService:
             from engine import LLMEngine
 
             settings = get_settings()
-            engine = LLMEngine.from_kwargs(**engine_kwargs(settings))
             metrics = WorkerMetrics(settings.model)
+            _service = EngineService.start_building(
+                lambda: LLMEngine.from_kwargs(**engine_kwargs(settings)),
+                on_stats=_reporter(metrics), on_step=metrics.observe_step, token_sink=TokenPublisher())
+            engine = _service.engine
             metrics.set_cache_config(engine)
-            _service = EngineService(engine, on_stats=_reporter(metrics), on_step=metrics.observe_step).start()
             log_event(logger, "engine.ready", model=settings.model, worker_id=heartbeat.worker_id(),
                       max_model_len=engine.max_model_len)
         return _service

@@ -29,7 +29,7 @@ def _start(job_id: str) -> None:
 
 def _publish(job_id: str, pieces: list[tuple[str, list[int]]]) -> None:
     for text, ids in pieces:
-        streams.publish_tokens(streams.redis_client(), job_id, [{"index": 0, "text": text, "token_ids": ids}])
+        streams.publish_tokens(streams.redis_client(), {job_id: [{"index": 0, "text": text, "token_ids": ids}]})
 
 
 def _succeed(job_id: str, pieces: list[tuple[str, list[int]]]) -> None:
@@ -110,7 +110,7 @@ def test_a_restarted_job_streams_only_its_new_attempt_and_says_so(
 ) -> None:
     job_id = _submit(client, auth_headers)
     redis = streams.redis_client()
-    streams.publish_tokens(redis, job_id, [{"index": 0, "text": "lost", "token_ids": [9]}])  # the dead attempt
+    streams.publish_tokens(redis, {job_id: [{"index": 0, "text": "lost", "token_ids": [9]}]})  # the dead attempt
     with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth_headers) as live:
         lines = live.iter_lines()
         assert next(lines) == "id: " + redis.xrange(streams.events_key(job_id))[0][0]

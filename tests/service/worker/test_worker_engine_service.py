@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from engine import SamplingParams
+import pytest
+import redis as redis_lib
+
+from core import streams
+from core.settings import Settings
+from engine import LLMEngine, SamplingParams
+from engine.outputs import CompletionOutput, RequestOutput
 from tests.engine.test_fault_isolation import PoisonedModel
 from worker.engine_service import EngineService, RequestFailed, RequestHandle
+from worker.token_stream import TokenPublisher
 
 
 def _collect(handle: RequestHandle, timeout_s: float = 60.0) -> Any:
@@ -65,3 +75,69 @@ def test_a_request_that_breaks_a_step_fails_on_its_handle_only(service: EngineSe
         engine.runner.model = engine.runner.model.model
     assert isinstance(error, RequestFailed) and f"poisoned token {poison}" in str(error)
     assert [r.outputs[0].token_ids for r in results] == expected
+
+
+def test_with_a_token_sink_a_handle_gets_its_first_tokens_and_its_end_after_the_sink_saw_them(
+    service_model_dir: Path,
+) -> None:
+    sunk: list[tuple[str, int, bool]] = []  # (request id, tokens so far, finished) per output the sink got
+    engine = LLMEngine.from_kwargs(model=str(service_model_dir), dtype="float32", kv_cache_memory="4MiB",
+                                   max_num_seqs=4)
+    sink = EngineService(engine, token_sink=lambda outputs: sunk.extend(
+        (o.request_id, len(o.outputs[0].token_ids), o.finished) for o in outputs)).start()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        handles = [sink.submit(f"sink-{i}", f"Request number {i}", params) for i in range(2)]
+        for handle in handles:
+            first, last = handle.outputs.get(timeout=60), handle.outputs.get(timeout=60)
+            assert len(first.outputs[0].token_ids) == 1 and not first.finished
+            assert last.finished and len(last.outputs[0].token_ids) == 6
+            assert (handle.request_id, 6, True) in sunk  # published before its job could record the end
+            assert [n for rid, n, _ in sunk if rid == handle.request_id] == [1, 2, 3, 4, 5, 6]
+            assert handle.outputs.empty()
+    finally:
+        sink.stop()
+
+
+def test_token_publisher_sends_every_jobs_new_tokens_and_survives_a_redis_outage(
+    service_settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def output(request_id: str, text: str, token_ids: list[int], finished: bool = False) -> RequestOutput:
+        return RequestOutput(request_id, None, [1], [CompletionOutput(0, text, token_ids)], finished)
+
+    redis = streams.redis_client()
+    jobs = ("job-a", "job-b")
+    redis.delete(*(streams.events_key(job) for job in jobs))
+    publish = TokenPublisher()
+    publish([output("job-a#1", "He", [5]), output("job-b#2", "Hi", [7])])
+    publish([output("job-a#1", "Hello", [5, 6], finished=True), output("job-b#2", "Hi", [7])])
+    events = {job: [json.loads(f["data"]) for _, f in redis.xrange(streams.events_key(job))] for job in jobs}
+    assert events["job-a"] == [{"index": 0, "text": "He", "token_ids": [5]},
+                               {"index": 0, "text": "llo", "token_ids": [6]}]
+    assert events["job-b"] == [{"index": 0, "text": "Hi", "token_ids": [7]}]  # nothing new in the 2nd step
+    monkeypatch.setattr(streams, "redis_client", lambda: redis_lib.Redis(port=1, socket_connect_timeout=0.2))
+    publish([output("job-b#2", "Hi!", [7, 8])])  # logged, not raised: the engine thread goes on
+
+
+def test_start_building_loads_the_engine_on_the_thread_that_steps_it_and_raises_what_the_build_raised(
+    service_model_dir: Path,
+) -> None:
+    builders: list[threading.Thread] = []
+
+    def build() -> LLMEngine:
+        builders.append(threading.current_thread())
+        return LLMEngine.from_kwargs(model=str(service_model_dir), dtype="float32", kv_cache_memory="4MiB")
+
+    built = EngineService.start_building(build)
+    try:
+        output = _collect(built.submit("built", "Hello", SamplingParams(max_tokens=3, temperature=0.0)))
+        assert len(output.outputs[0].token_ids) == 3
+        assert builders == [built._thread] and builders[0] is not threading.main_thread()
+    finally:
+        built.stop()
+
+    def broken() -> LLMEngine:
+        raise ValueError("max_num_seqs must be an integer >= 1, got 0")
+
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineService.start_building(broken)

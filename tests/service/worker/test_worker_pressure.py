@@ -16,6 +16,7 @@ from engine import LLMEngine, SamplingParams
 from tests.agreement import Sample, assert_agree_up_to_rounding
 from worker.engine_service import EngineService
 from worker.runner import run_job
+from worker.token_stream import TokenPublisher
 
 # The tiny Llama holds 512 bytes of fp32 KV per token: 12 device blocks and 8 swap blocks of 16 tokens.
 KV_CACHE_MEMORY, SWAP_SPACE = "96KiB", "64KiB"
@@ -32,7 +33,7 @@ def small_service(service_model_dir: Path) -> Iterator[EngineService]:
     """An engine service whose KV cache and swap pool together hold 320 tokens."""
     engine = LLMEngine.from_kwargs(model=str(service_model_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY,
                                    swap_space=SWAP_SPACE, max_num_seqs=16, preemption_mode="swap")
-    service = EngineService(engine).start()
+    service = EngineService(engine, token_sink=TokenPublisher()).start()
     yield service
     service.stop()
 

@@ -1,0 +1,78 @@
+"""Every running job's new tokens go to its Redis event stream once per engine step, all jobs in one round trip.
+
+Publishing from the engine thread, rather than from each job's thread, keeps 32 job threads from waking (and
+taking the GIL from the engine) at every step: measured on 2 CPUs at 32 jobs in flight, per-job publishing held
+the service to 0.65 of the offline engine. Tokens are published before any job thread sees the output that
+finishes its request, so a job's final event always follows its last tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from core import streams
+from core.logging import log_event
+
+logger = logging.getLogger("pagedserve.worker")
+ATTEMPT_SEPARATOR = "#"
+
+
+def request_id_for(job_id: str, attempt: int) -> str:
+    """The engine request id of a job's attempt (a redelivered job runs again under a new id)."""
+    return f"{job_id}{ATTEMPT_SEPARATOR}{attempt}"
+
+
+def job_id_of(request_id: str) -> str:
+    """The job an engine request id belongs to."""
+    return request_id.rsplit(ATTEMPT_SEPARATOR, 1)[0]
+
+
+@dataclass(slots=True)
+class StreamProgress:
+    """What a request has streamed so far, per completion index."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    token_counts: dict[int, int] = field(default_factory=dict)
+
+    def deltas(self, output: Any) -> list[dict[str, Any]]:
+        """New text and token ids since the last output, one entry per completion that grew."""
+        deltas = []
+        for completion in output.outputs:
+            text_seen = len(self.texts.get(completion.index, ""))
+            tokens_seen = self.token_counts.get(completion.index, 0)
+            if len(completion.token_ids) > tokens_seen or len(completion.text) > text_seen:
+                deltas.append({
+                    "index": completion.index,
+                    "text": completion.text[text_seen:],
+                    "token_ids": list(completion.token_ids[tokens_seen:]),
+                })
+            self.texts[completion.index] = completion.text
+            self.token_counts[completion.index] = len(completion.token_ids)
+        return deltas
+
+
+class TokenPublisher:
+    """The engine service's token sink: called on the engine thread with each step's outputs."""
+
+    def __init__(self) -> None:
+        self._progress: dict[str, StreamProgress] = {}
+
+    def __call__(self, outputs: list[Any]) -> None:
+        """Publish the step's new tokens of every request (none of a request that failed: its job fails)."""
+        deltas_by_job: dict[str, list[dict[str, Any]]] = {}
+        for output in outputs:
+            progress = self._progress.setdefault(output.request_id, StreamProgress())
+            if output.finished:
+                del self._progress[output.request_id]
+            if output.error is None and (deltas := progress.deltas(output)):
+                deltas_by_job[job_id_of(output.request_id)] = deltas
+        if not deltas_by_job:
+            return
+        try:
+            streams.publish_tokens(streams.redis_client(), deltas_by_job)
+        except redis.RedisError as exc:  # followers miss these tokens; the stored result stays whole
+            log_event(logger, "tokens.publish_failed", jobs=len(deltas_by_job), error=repr(exc))
