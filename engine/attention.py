@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any
 
 import torch
 
+from kernels.backend import KernelBackend, KernelPlan
 from kernels.checks import HostTables
 
 
@@ -30,8 +29,8 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor
     prefill_host: HostTables
     # the backend's plans for this step, made by the first layer and reused by the others
-    decode_plan: Any = None
-    prefill_plan: Any = None
+    decode_plan: KernelPlan | None = None
+    prefill_plan: KernelPlan | None = None
 
     @property
     def has_prefill(self) -> bool:
@@ -42,7 +41,7 @@ class AttentionMetadata:
 class PagedAttention:
     """Attention over the paged KV cache of one layer, dispatched to a kernel backend."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: ModuleType) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: KernelBackend) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

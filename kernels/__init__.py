@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
-from types import ModuleType
+from typing import cast
 
 import torch
 
 from kernels import reference
+from kernels.backend import KernelBackend
 
 BACKENDS = ("torch", "triton")
 
 
-def select_backend(device: torch.device, requested: str | None = None) -> ModuleType:
+def select_backend(device: torch.device, requested: str | None = None) -> KernelBackend:
     """Return the kernel module for ``device``: ``triton`` on CUDA, ``torch`` otherwise.
 
     ``requested`` (or ``PAGEDSERVE_ATTENTION_BACKEND``) overrides the choice.
@@ -23,7 +24,7 @@ def select_backend(device: torch.device, requested: str | None = None) -> Module
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "torch":
-        return reference
+        return cast(KernelBackend, reference)
     from kernels import triton_ops  # imported lazily: triton is optional on CPU machines
 
-    return triton_ops
+    return cast(KernelBackend, triton_ops)

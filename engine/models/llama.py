@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +9,7 @@ from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.rotary import RotaryEmbedding, apply_rotary
+from kernels.backend import KernelBackend
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -33,7 +32,7 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Fused QKV projection, rotary embedding and paged attention."""
 
-    def __init__(self, config: PretrainedConfig, ops: ModuleType) -> None:
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -77,7 +76,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, config: PretrainedConfig, ops: ModuleType) -> None:
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, ops)
         self.mlp = LlamaMLP(config)
@@ -95,7 +94,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole decoder: embeddings, layers, final norm and (possibly tied) LM head."""
 
-    def __init__(self, config: PretrainedConfig, ops: ModuleType) -> None:
+    def __init__(self, config: PretrainedConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

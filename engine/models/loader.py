@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from engine.models.cpu_packing import pack_linear_layers, packing_applies
 from engine.models.llama import LlamaForCausalLM
 from engine.models.quantization import quantize_linear_layers
+from kernels.backend import KernelBackend
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 # fused parameter -> the checkpoint's separate projections, concatenated along the output dim
@@ -55,7 +55,7 @@ def _fuse(checkpoint: dict[str, torch.Tensor], num_layers: int) -> dict[str, tor
 
 
 def load_model(
-    folder: Path, dtype: torch.dtype, device: torch.device, ops: ModuleType, weight_packing: str = "auto",
+    folder: Path, dtype: torch.dtype, device: torch.device, ops: KernelBackend, weight_packing: str = "auto",
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Instantiate the model on ``device`` in ``dtype`` with the folder's weights; linear layers are
