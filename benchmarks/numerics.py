@@ -11,7 +11,6 @@ repeats, of the model's linear layers and of a whole decode step.
 from __future__ import annotations
 
 import argparse
-import platform
 import subprocess
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.common import cpu_description
 from engine import LLM, SamplingParams
 from engine.model_files import resolve_model
 from engine.models.cpu_packing import pack_linear_layers
@@ -141,13 +141,9 @@ def stop_decoding(llm: LLM, ids: list[str]) -> None:
 
 def machine() -> str:
     """CPU model and the SIMD flags that decide the kernels (bf16, VNNI, AVX-512, AMX)."""
-    flags = Path("/proc/cpuinfo").read_text(errors="ignore") if Path("/proc/cpuinfo").exists() else ""
-    names = [line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")]
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")
-    present = [flag for flag in wanted if f" {flag}" in flags]
+    cpu = cpu_description()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    return f"{names[0] if names else platform.processor()}, {torch.get_num_threads()} threads, flags: " \
-           f"{' '.join(present)}; {load}"
+    return f"{cpu['cpu_model']}, {torch.get_num_threads()} threads, flags: {' '.join(cpu['cpu_flags'])}; {load}"
 
 
 def print_quality(folder: Path, llms: dict[str, LLM], max_tokens: int) -> None:
