@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     quantization: Literal["int8"] | None = Field(
         None, description="int8 = int8 weights and activations in the linear layers (CPU; faster, small quality cost)")
     max_model_len: int | None = Field(None, ge=1, description="context length (default: the model's own)")
+    enforce_eager: bool = Field(
+        False, description="run every step eagerly: no CUDA graphs (on CUDA, decode batches up to "
+        "cuda_graph_max_batch run from graphs captured at start; the CPU never captures)")
+    cuda_graph_max_batch: int = Field(
+        256, ge=1, description="largest decode batch run from a CUDA graph (batches are padded to 1, 2, 4, 8, 16, ...)")
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="fraction of the GPU's total memory for weights, activations and KV cache "
         "(as vLLM; unused when kv_cache_memory is set)")

@@ -15,7 +15,7 @@ class AttentionMetadata:
     """Per-step layout of the flattened batch; the first ``num_decode_tokens`` rows are decodes.
 
     The host copies (``slot_range``, ``*_host``) let the kernels check and plan without reading
-    the device tensors back.
+    the device tensors back; ``None`` when a plan is given or the values may be read back.
     """
 
     slot_mapping: torch.Tensor
@@ -23,11 +23,11 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
-    decode_host: HostTables
+    decode_host: HostTables | None
     prefill_block_tables: torch.Tensor
     prefill_query_start_loc: torch.Tensor
     prefill_context_lens: torch.Tensor
-    prefill_host: HostTables
+    prefill_host: HostTables | None
     # the backend's plans for this step, made by the first layer and reused by the others
     decode_plan: KernelPlan | None = None
     prefill_plan: KernelPlan | None = None

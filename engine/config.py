@@ -89,6 +89,10 @@ class EngineConfig:
     cpu_weight_packing: str = "auto"
     # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); None: none
     quantization: str | None = None
+    # decode runs from CUDA graphs captured at start for batches up to cuda_graph_max_batch (padded to
+    # 1, 2, 4, 8, 16, ...); True keeps every step eager. The CPU never captures.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
@@ -116,6 +120,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_MODES}, got {self.quantization!r}")
         if self.quantization is not None and self.torch_device().type != "cpu":
             raise ValueError(f"quantization={self.quantization!r} runs on the CPU only, got device {self.device!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if not isinstance(self.cuda_graph_max_batch, int) or isinstance(self.cuda_graph_max_batch, bool) \
+                or self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be an integer >= 1, got {self.cuda_graph_max_batch!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -12,6 +12,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine, default_kv_cache_bytes, kv_block_bytes
 from engine.config import EngineConfig, resolve_dtype
+from engine.cuda_graphs import capture_decode_graphs, uses_cuda_graphs
 from engine.detokenizer import start_offsets
 from engine.fault_isolation import FaultIsolator
 from engine.model_files import resolve_model
@@ -64,7 +65,12 @@ class LLMEngine:
             DEFAULT_TOKEN_BUDGET if config.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, self.max_model_len)
         )
         self.scheduler = Scheduler(config, self.block_manager, max(token_budget, config.max_num_seqs))
-        self.runner = ModelRunner(self.model, self.cache, config.block_size, self.device)
+        graphs = None
+        if uses_cuda_graphs(self.device, config.enforce_eager):  # after the KV cache: graphs take what is left
+            max_blocks_per_seq = -(-self.max_model_len // config.block_size)
+            graphs = capture_decode_graphs(self.model, self.cache, self.ops, max_blocks_per_seq,
+                                           min(config.cuda_graph_max_batch, config.max_num_seqs))
+        self.runner = ModelRunner(self.model, self.cache, config.block_size, self.device, graphs)
         self.sampler = StepSampler(self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.groups = self.output_processor.groups  # live requests by id
@@ -75,8 +81,9 @@ class LLMEngine:
         self.num_steps = 0
         self._aborted: list[SequenceGroup] = []
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s blocks=%d cpu_blocks=%d block_size=%d",
+            "engine ready: model=%s dtype=%s device=%s blocks=%d cpu_blocks=%d block_size=%d decode graphs=%s",
             self.model_name, self.dtype, self.device, self.num_gpu_blocks, self.num_cpu_blocks, config.block_size,
+            graphs.sizes if graphs else "off",
         )
 
     @classmethod

@@ -8,6 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cache_engine import CacheEngine
+from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.checks import HostTables
@@ -74,23 +75,42 @@ class HostStep:
 
 class ModelRunner:
     """Builds ``input_ids``, ``positions``, ``slot_mapping`` and block tables once per step, on the
-    host, from the ``SchedulerOutput`` alone, and sends them to the device in one transfer."""
+    host, from the ``SchedulerOutput`` alone, and sends them to the device in one transfer. With
+    ``graphs``, a pure-decode step that fits a captured size replays a CUDA graph instead."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: CacheEngine, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, cache: CacheEngine, block_size: int, device: torch.device,
+        graphs: DecodeGraphRunner | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.block_size = block_size
         self.device = device
         self.staging = StagingBuffer(device)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one forward pass; returns the logits of every sequence that reached its last
         token, and those sequences in the same order."""
         step = self._prepare(out)
-        input_ids, positions, meta, sampled_rows = self._upload(step)
-        hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
+        graphs = self.graphs
+        size = graphs.size_for(step.decode, len(step.prefill.context_lens)) if graphs is not None else None
+        if graphs is not None and size is not None:
+            hidden, sampled_rows = self._replay(graphs, step, size)
+        else:
+            input_ids, positions, meta, sampled_rows = self._upload(step)
+            hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
         return self.model.compute_logits(hidden.index_select(0, sampled_rows)), step.sampled
+
+    def _replay(self, graphs: DecodeGraphRunner, step: HostStep, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded decode batch and the sampled rows in one transfer, then the graph of ``size``:
+        its hidden states (real rows first) and the sampled rows on the device."""
+        parts = [*graphs.host_fields(step.input_ids, step.positions, step.slots, step.decode, size),
+                 step.sampled_rows]
+        *fields, sampled_rows = self.staging.upload([value for part in parts for value in part]).split(
+            [len(part) for part in parts])
+        return graphs.replay(size, fields), sampled_rows
 
     def _prepare(self, out: SchedulerOutput) -> HostStep:
         """The flattened batch on the host: decodes first, then prefills (chunks of more than one token)."""

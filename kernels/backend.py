@@ -27,6 +27,12 @@ class KernelBackend(Protocol):
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     host: HostTables | None = None) -> KernelPlan: ...
 
+    def plan_decode_static(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor) -> KernelPlan | None:
+        """A decode plan made from shapes alone, right for any values the tensors hold later (a CUDA
+        graph replays it); ``None`` where the backend can only plan from the values."""
+        ...
+
     def paged_attention_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                plan: KernelPlan | None = None) -> torch.Tensor: ...

@@ -166,7 +166,7 @@ def _check_table_values(
     return [high, *values[3:]]
 
 
-def _check_host_values(key_cache: torch.Tensor, block_tables: torch.Tensor, host: HostTables) -> int:
+def check_host_tables(key_cache: torch.Tensor, block_tables: torch.Tensor, host: HostTables) -> int:
     """``_check_table_values`` on host copies: no device sync. Returns the longest context length."""
     lens = host.context_lens
     _require(
@@ -200,6 +200,15 @@ def check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_c
     _check_query(query, key_cache)
 
 
+def check_decode_shapes(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor,
+) -> None:
+    """The shape, dtype and device checks of ``paged_attention_decode`` (no values read)."""
+    check_attention_inputs(query, key_cache, value_cache)
+    _check_table_shapes(key_cache, block_tables, context_lens, query.shape[0])
+
+
 def check_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -211,10 +220,9 @@ def check_decode(
     """Arguments of ``paged_attention_decode``; returns the longest context length.
 
     Values are read from ``host`` when given, else from the device (one sync)."""
-    check_attention_inputs(query, key_cache, value_cache)
-    _check_table_shapes(key_cache, block_tables, context_lens, query.shape[0])
+    check_decode_shapes(query, key_cache, value_cache, block_tables, context_lens)
     if host is not None:
-        return _check_host_values(key_cache, block_tables, host)
+        return check_host_tables(key_cache, block_tables, host)
     return _check_table_values(key_cache, block_tables, context_lens)[0]
 
 
@@ -241,7 +249,7 @@ def check_prefill(
             host.query_start_loc is not None and len(host.query_start_loc) == num_seqs + 1,
             f"host copies of a prefill need query_start_loc of {num_seqs + 1} offsets",
         )
-        max_context_len, starts = _check_host_values(key_cache, block_tables, host), host.query_start_loc
+        max_context_len, starts = check_host_tables(key_cache, block_tables, host), host.query_start_loc
         too_many_queries = any(
             end - start > n for start, end, n in zip(starts, starts[1:], host.context_lens)
         )

@@ -19,6 +19,7 @@ from kernels.checks import (
     check_cache_write,
     check_copy,
     check_decode,
+    check_decode_shapes,
     check_prefill,
     check_swap,
 )
@@ -112,6 +113,16 @@ def plan_decode(
     row_order = [row for rows in members for row in rows]
     in_order = row_order == list(range(len(lens)))
     return AttentionPlan(query.shape[0], groups, None if in_order else torch.tensor(row_order, device=query.device))
+
+
+def plan_decode_static(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor,
+) -> None:
+    """No plan holds for every value here (a plan is the gather of the step's blocks): ``None``, so each
+    ``paged_attention_decode`` plans from the tensors' values, reading them back. Fine on the CPU, which
+    never captures a CUDA graph; this backend cannot run in one."""
+    check_decode_shapes(query, key_cache, value_cache, block_tables, context_lens)
 
 
 def _length_groups(order: list[int], lens: list[int]) -> list[list[int]]:

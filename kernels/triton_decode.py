@@ -4,9 +4,10 @@ Each program handles one (sequence, KV head, partition of context positions) and
 heads of that KV head's group at once, so GQA/MQA read every key once. The partition length is
 chosen per step from the SM count (``kernels.launch.choose_partition_tokens``) and passed as a
 plain argument: launch sizes come from host values only, and no size is a compile-time constant
-that would recompile the kernels as contexts grow. Short contexts (one partition) write the
-output directly; longer ones write per-partition partial results that a second kernel merges,
-so a few long sequences still fill the GPU.
+that would recompile the kernels as contexts grow. ``plan_decode_static`` sizes the grid from the
+block tables' capacity instead of the step's longest context, so a CUDA graph can replay it.
+Short contexts (one partition) write the output directly; longer ones write per-partition
+partial results that a second kernel merges, so a few long sequences still fill the GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import HostTables, check_attention_inputs, check_decode
+from kernels.checks import HostTables, check_attention_inputs, check_decode, check_decode_shapes
 from kernels.launch import (
     MIN_DOT_ROWS,
     LaunchConfig,
@@ -162,7 +163,7 @@ def _decode_reduce_kernel(
 class DecodePlan:
     """A checked decode launch, made from host values once and reused by every layer of a step."""
 
-    max_context_len: int
+    max_context_len: int  # the longest context the grid covers
     partition_tokens: int
     tile_tokens: int
     group_rows: int  # query heads of one KV head, padded for tl.dot
@@ -182,6 +183,23 @@ def plan_decode(
 
     ``host`` holds host copies of the tables and lengths: planning from them reads nothing back."""
     max_context_len = check_decode(query, key_cache, value_cache, block_tables, context_lens, host)
+    return _plan(query, key_cache, max_context_len)
+
+
+def plan_decode_static(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor,
+) -> DecodePlan:
+    """A plan that holds for any values these tensors may hold later (blocks inside the cache, contexts
+    of 1 up to the tables' capacity): its grid comes from the capacity (``block_tables`` columns x block
+    size), never from the lengths, so a CUDA graph captured with it stays right as contexts grow.
+    Checks shapes only; partitions past a sequence's context return at once."""
+    check_decode_shapes(query, key_cache, value_cache, block_tables, context_lens)
+    return _plan(query, key_cache, block_tables.shape[1] * key_cache.shape[1])
+
+
+def _plan(query: torch.Tensor, key_cache: torch.Tensor, max_context_len: int) -> DecodePlan:
+    """The launch for contexts of up to ``max_context_len`` tokens."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     limits = device_limits(query.device)

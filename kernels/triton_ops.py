@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kernels.reference import swap_blocks
 from kernels.triton_cache import copy_blocks, reshape_and_cache
-from kernels.triton_decode import paged_attention_decode, plan_decode
+from kernels.triton_decode import paged_attention_decode, plan_decode, plan_decode_static
 from kernels.triton_prefill import paged_prefill_attention, plan_prefill
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "paged_attention_decode",
     "paged_prefill_attention",
     "plan_decode",
+    "plan_decode_static",
     "plan_prefill",
     "reshape_and_cache",
     "swap_blocks",

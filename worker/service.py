@@ -32,6 +32,8 @@ def engine_kwargs(settings: Settings) -> dict[str, Any]:
         "cpu_weight_packing": settings.cpu_weight_packing,
         "quantization": settings.quantization,
         "max_model_len": settings.max_model_len,
+        "enforce_eager": settings.enforce_eager,
+        "cuda_graph_max_batch": settings.cuda_graph_max_batch,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "enable_prefix_caching": settings.enable_prefix_caching,

@@ -21,8 +21,8 @@ def _parameters(function: object, drop_self: bool = False) -> list[str]:
 
 def test_the_contract_names_every_kernel_the_engine_calls() -> None:
     assert sorted(CONTRACT) == sorted([
-        "reshape_and_cache", "plan_decode", "paged_attention_decode", "plan_prefill", "paged_prefill_attention",
-        "copy_blocks", "swap_blocks"])
+        "reshape_and_cache", "plan_decode", "plan_decode_static", "paged_attention_decode", "plan_prefill",
+        "paged_prefill_attention", "copy_blocks", "swap_blocks"])
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])

@@ -88,3 +88,20 @@ def test_decode_of_an_empty_batch_is_empty(triton_ops, make_case, device):
         query, case.key_cache, case.value_cache, case.block_tables[:0], case.context_lens[:0], SCALE
     )
     assert out.shape == (0, case.num_heads, 64)
+
+
+def test_a_static_plan_is_sized_by_the_tables_capacity_and_holds_as_lengths_change(
+    triton_ops, make_case, assert_matches, device
+):
+    # what a CUDA graph bakes in: one plan, then new lengths written into the same tensors
+    case = make_case([1, 9, 30], block_size=8, device=device)  # tables of 4 + 3 spare columns: 56 tokens
+    query = torch.randn(3, case.num_heads, 64, device=device)
+    tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
+    plan = triton_ops.plan_decode_static(*tensors)
+    assert plan.max_context_len == case.block_tables.shape[1] * 8
+    plan = replace(plan, partition_tokens=16)  # 4 partitions: the merge runs
+    for lens in ([1, 9, 30], [8, 2, 25], [3, 16, 32]):
+        case.context_lens.copy_(torch.tensor(lens))
+        assert triton_ops.plan_decode_static(*tensors).max_context_len == plan.max_context_len
+        assert_matches(triton_ops.paged_attention_decode(*tensors, SCALE, plan=plan),
+                       reference.paged_attention_decode(*tensors, SCALE))

@@ -98,8 +98,10 @@ def test_vllm_engine_flags_reach_the_engine(tiny_model_dir: Path) -> None:
 
     settings = _settings("worker", "--model", str(tiny_model_dir), "--max-model-len", "64", "--seed", "7",
                          "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "512",
-                         "--no-enable-prefix-caching", "--tokenizer", str(tiny_model_dir), "--swap-space", "1")
+                         "--no-enable-prefix-caching", "--tokenizer", str(tiny_model_dir), "--swap-space", "1",
+                         "--enforce-eager", "--cuda-graph-max-batch", "32")
     config = EngineConfig(**engine_kwargs(settings))
+    assert (config.enforce_eager, config.cuda_graph_max_batch) == (True, 32)
     assert (config.max_model_len, config.seed, config.gpu_memory_utilization) == (64, 7, 0.5)
     assert (config.max_num_batched_tokens, config.enable_prefix_caching) == (512, False)
     assert (config.tokenizer, config.swap_space) == (str(tiny_model_dir), 1 << 30)
@@ -111,6 +113,7 @@ def test_vllm_engine_flags_reach_the_engine(tiny_model_dir: Path) -> None:
     (["worker", "--max-model-len", "0"], "--max-model-len"),
     (["worker", "--max-model-len", "many"], "--max-model-len"),
     (["worker", "--preemption-mode", "pause"], "--preemption-mode"),
+    (["worker", "--cuda-graph-max-batch", "0"], "--cuda-graph-max-batch"),
     (["api", "--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
     (["api", "--served-model-name"], "--served-model-name"),
 ])
@@ -118,6 +121,19 @@ def test_a_bad_flag_value_fails_at_startup_naming_the_flag(
     capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
 ) -> None:
     assert flag in _refused(capsys, *argv)
+
+
+def test_a_bad_enforce_eager_in_the_environment_fails_at_startup_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDSERVE_ENFORCE_EAGER", "perhaps")
+    message = _refused(capsys, "worker")
+    assert "--enforce-eager (PAGEDSERVE_ENFORCE_EAGER)" in message
+
+
+def test_graphs_are_captured_unless_enforce_eager_is_given() -> None:
+    assert engine_kwargs(_settings("worker"))["enforce_eager"] is False
+    assert engine_kwargs(_settings("up", "--enforce-eager"))["enforce_eager"] is True
 
 
 @pytest.fixture
