@@ -1,10 +1,11 @@
 """Worker drain: on SIGTERM (Celery's warm shutdown) running jobs get `shutdown_grace_s` to finish, then are requeued.
 
-Celery stops taking messages at the signal and waits for the running tasks; a job's runner asks
-`overdue()` between outputs and, once the grace period is over, aborts its engine request and hands the
-job back to the queue through `requeue`, so another worker runs it from the start. The runner then
-returns normally, and Celery acks the old message: the job is on the queue exactly once. A message the
-worker still takes while draining is rejected back to the broker before its job is claimed.
+Celery stops taking messages at the signal and waits for the running tasks; the process's cancel watcher
+(worker/cancel_watch.py) asks `overdue()` on each pass and, once the grace period is over, aborts every running
+job's engine request; each job's runner then hands its job back to the queue through `requeue`, so another
+worker runs it from the start. The runner returns normally, and Celery acks the old message: the job is on
+the queue exactly once. A message the worker still takes while draining is rejected back to the broker
+before its job is claimed.
 """
 
 from __future__ import annotations

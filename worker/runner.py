@@ -1,11 +1,10 @@
 """Runs one job: claim it in the store, feed it to the engine service, record its first token and its result
-(its tokens reach the event stream through the service's token sink, worker/token_stream.py)."""
+(its tokens reach the event stream through the service's token sink, worker/token_stream.py; cancels and the
+drain's deadline reach it through the process's cancel watcher, worker/cancel_watch.py)."""
 
 from __future__ import annotations
 
 import logging
-import queue
-import time
 from typing import Any
 
 from sqlalchemy import update
@@ -16,11 +15,11 @@ from core.lifecycle import transition
 from core.logging import log_event
 from core.models import Job, JobStatus, utcnow
 from worker import drain, heartbeat
-from worker.engine_service import EngineService
+from worker.cancel_watch import Stop, cancel_watcher
+from worker.engine_service import EngineService, RequestHandle
 from worker.token_stream import request_id_for
 
 logger = logging.getLogger("pagedserve.worker")
-CANCEL_POLL_S = 0.2
 
 
 def _claimable_from(job: Job) -> set[JobStatus]:
@@ -84,34 +83,31 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
         _finish(job, JobStatus.failed, error=f"invalid sampling parameters: {exc}")
         return
     request_id = request_id_for(job_id, job.attempts)
-    redis = streams.redis_client()
     if job.attempts > 1:  # a redelivered job starts over: its stream must not mix two attempts
-        streams.publish_restart(redis, job_id, job.attempts)
+        streams.publish_restart(streams.redis_client(), job_id, job.attempts)
     handle = service.submit(request_id, job.prompt_token_ids or job.prompt, params, job.priority)
+    with cancel_watcher().watching(job_id, handle, service.abort):
+        _follow(job, handle)
+
+
+def _follow(job: Job, handle: RequestHandle) -> None:
+    """Wait on the handle for the job's first token and its end, or for the cancel watcher's `Stop`."""
     first_token_seen = False
-    next_cancel_check = 0.0
     while True:
-        if time.monotonic() >= next_cancel_check:
-            if redis.exists(streams.cancel_key(job_id)):
-                service.abort(request_id)
-                log_event(logger, "job.aborted", job_id=job_id, request_id=request_id)
-                return
-            if drain.overdue():  # shutting down and out of grace: another worker runs it from the start
-                service.abort(request_id)
-                drain.requeue(job)
-                return
-            next_cancel_check = time.monotonic() + CANCEL_POLL_S
-        try:
-            item = handle.outputs.get(timeout=CANCEL_POLL_S)
-        except queue.Empty:
-            continue
+        item = handle.outputs.get()
+        if item is Stop.CANCELLED:  # the watcher has aborted the request; the API has set the job's state
+            log_event(logger, "job.aborted", job_id=job.id, request_id=handle.request_id)
+            return
+        if item is Stop.DRAIN_OVERDUE:  # shutting down and out of grace: another worker runs it from the start
+            drain.requeue(job)
+            return
         if isinstance(item, Exception):
             _finish(job, JobStatus.failed, error=str(item))
             return
         # the engine service's token sink has published the tokens; this thread records milestones
         if not first_token_seen and any(c.token_ids for c in item.outputs):
             first_token_seen = True
-            _mark_first_token(job_id)
+            _mark_first_token(job.id)
         if item.finished:
             choices = _choices(item)
             completion_tokens = sum(len(c["token_ids"]) for c in choices)
