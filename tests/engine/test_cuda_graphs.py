@@ -27,6 +27,7 @@ from engine.cuda_graphs import (  # noqa: E402
     uses_cuda_graphs,
 )
 from kernels.checks import HostTables  # noqa: E402
+from tests.engine.test_device_syncs import READ_BACKS, ReadBackCounter  # noqa: E402
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 64  # static tables of 8 blocks
@@ -125,6 +126,20 @@ def test_a_padded_graph_step_gives_the_eager_logits_and_writes_only_its_own_slot
     after = llm.engine.cache.gpu_kv
     assert torch.equal(by_slot(after)[:, :, others], by_slot(before)[:, :, others])
     torch.testing.assert_close(by_slot(after)[:, :, slots], by_slot(before)[:, :, slots])
+
+
+def test_the_captured_forward_reads_nothing_back_and_makes_no_tensor_from_host_data(tiny_model_dir: Path) -> None:
+    # what a CUDA graph cannot hold: a read-back stalls (and fails) a capture, a tensor made from a host list
+    # is a copy the graph would replay from stale host memory
+    llm = _llm(tiny_model_dir, "triton")
+    _add(llm, [4, 4, 4])
+    llm.engine.step()
+    graphs = _static_graphs(llm, max_batch=4)
+    counter = ReadBackCounter(READ_BACKS | {"tensor", "as_tensor"})
+    with counter, torch.inference_mode():  # as in ModelRunner.execute
+        for capture, _ in graphs.graphs.values():
+            capture.replay()  # EagerCapture: runs the forward a CUDA graph records
+    assert not counter.sites, dict(counter.sites)
 
 
 def test_greedy_decoding_from_graphs_matches_eager_and_runs_only_small_decode_batches_in_them(

@@ -56,15 +56,17 @@ def _caller(frame: FrameType | None) -> str | None:
 
 
 class ReadBackCounter(TorchFunctionMode):
-    """Counts, by call site, the torch calls from engine/ and kernels/ that read device data back."""
+    """Counts, by call site, the torch calls from engine/ and kernels/ that read device data back (or, with
+    other ``names``, those calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] = READ_BACKS) -> None:
         super().__init__()
+        self.names = names
         self.sites: Counter[str] = Counter()
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in READ_BACKS or (name in MASK_INDEXING and len(args) > 1 and _is_mask(args[1])):
+        if name in self.names or (name in MASK_INDEXING and len(args) > 1 and _is_mask(args[1])):
             site = _caller(sys._getframe(1))
             if site is not None:
                 self.sites[f"{site} ({name})"] += 1
