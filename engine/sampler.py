@@ -72,15 +72,18 @@ def _row_values(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
-def _random_sample(finite: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``finite`` (no NaN or +inf); also which rows had nothing to draw from."""
+def _random_sample(
+    finite: torch.Tensor, row_max: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``finite`` (no NaN or +inf; ``row_max`` is each row's max); also which rows had
+    nothing to draw from."""
     vocab = finite.shape[-1]
-    row_max = finite.amax(dim=-1, keepdim=True)
-    empty = torch.isneginf(row_max)  # every token masked: drawn from a uniform, then replaced
-    # shifted by the row's max, the logits are <= 0 with a 0, so dividing by any temperature stays
-    # in [-inf, 0] (never NaN or +inf) and the softmax has mass; temperature inf would give -inf/inf
-    temperature = _row_values([r.params.temperature for r in rows], finite).clamp_(max=FP32.max)
-    logits = torch.where(empty, 0.0, finite - row_max) / temperature[:, None]
+    empty = torch.isneginf(row_max)[:, None]  # every token masked: its weights are all 0, and it is replaced
+    # shifted by the row's max, the logits are <= 0 with a 0, so scaling by any temperature stays in [-inf, 0]
+    # (never NaN or +inf: huge logits are shifted before they are scaled) and the weights have mass; an empty
+    # row is shifted by 0 and stays -inf; temperature inf would give -inf/inf, so it is clamped
+    inverse_t = _row_values([r.params.temperature for r in rows], finite).clamp_(max=FP32.max).reciprocal_()[:, None]
+    logits = (finite - torch.where(empty, 0.0, row_max[:, None])).mul_(inverse_t)
     top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
@@ -89,25 +92,26 @@ def _random_sample(finite: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch
     min_p = [r.params.min_p for r in rows]
     if any(p > 0 for p in min_p):
         logits = _filter_min_p(logits, _row_values(min_p, finite))
-    tokens, total = _inverse_cdf_sample(logits.softmax(dim=-1), rows)
+    tokens, total = _inverse_cdf_sample(logits.exp_(), rows)  # logits is this function's own tensor
     return tokens, empty[:, 0] | ~torch.isfinite(total) | (total <= 0)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``probs``: the first whose cumulative mass exceeds a uniform draw from
+def _inverse_cdf_sample(weights: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``weights`` (unnormalized probabilities: normalizing them would cost a pass over the
+    vocabulary): the first whose cumulative weight exceeds a uniform draw, scaled by the row's total, from
     that row's own generator. One random number per row (``torch.multinomial`` draws one per
     vocabulary entry), and a seeded row's draws do not depend on the rest of the batch.
-    Returns the tokens and each row's total mass."""
-    cumulative = probs.cumsum(dim=-1)
+    Returns the tokens and each row's total weight."""
+    cumulative = weights.cumsum(dim=-1)
     total = cumulative[:, -1]
     # drawn on the generators' device (the engine's are CPU generators, so seeded draws are the
     # same on every device), then moved to the logits' device in one copy
     uniform = torch.stack([torch.rand((), generator=row.generator, device=row.generator.device) for row in rows])
-    uniform = uniform.to(device=probs.device, dtype=probs.dtype)
-    # strictly below the total, so the token found always has a positive probability
+    uniform = uniform.to(device=weights.device, dtype=weights.dtype)
+    # strictly below the total, so the token found always has a positive weight
     targets = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cumulative, targets[:, None], right=True)[:, 0]
-    return tokens.clamp_(0, probs.shape[-1] - 1), total
+    return tokens.clamp_(0, weights.shape[-1] - 1), total
 
 
 def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list[dict[int, float] | None]:
@@ -144,12 +148,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
             work[i, row.suppressed_token_ids] = NEG_INF
     broken = ~torch.isfinite(work.amax(dim=-1))  # a NaN or +inf logit, or every token masked
     finite = torch.nan_to_num(work, nan=NEG_INF, posinf=NEG_INF, neginf=NEG_INF)
-    tokens = finite.argmax(dim=-1)  # greedy rows, and the fallback of degenerate random rows
+    # greedy rows, and the fallback of degenerate random rows (max's indices are argmax's: the first maximum)
+    row_max, tokens = finite.max(dim=-1)
     randomized = [i for i, row in enumerate(rows) if not row.params.greedy]
     if randomized:
         index = torch.tensor(randomized, dtype=torch.long, device=logits.device)
         every_row = len(randomized) == len(rows)
-        drawn, degenerate = _random_sample(finite if every_row else finite[index], [rows[i] for i in randomized])
+        drawn, degenerate = _random_sample(finite if every_row else finite[index],
+                                           row_max if every_row else row_max[index], [rows[i] for i in randomized])
         fallback = tokens.index_select(0, index)
         tokens = tokens.index_copy(0, index, torch.where(degenerate | broken[index], fallback, drawn))
     token_ids = tokens.tolist()  # the step's one read-back of sampled tokens
