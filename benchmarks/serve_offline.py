@@ -3,8 +3,10 @@
 
 The engine gets ``concurrency`` as ``max_num_seqs``, so that as many requests run at once as the client keeps in
 flight against the server; every request has exactly ``prompt_tokens`` random prompt ids and makes exactly
-``output_tokens`` tokens (EOS ignored), as guidellm's synthetic requests do. ``pagedserve ÷ offline`` is then what
-the service (HTTP, queue, database, event publishing, the client sharing the CPU) keeps of the engine's throughput.
+``output_tokens`` tokens (EOS ignored), as guidellm's synthetic requests do, sampled as the service samples them:
+guidellm sends no sampling parameters, so the service's defaults apply (temperature 1, core/sampling_fields.py).
+``pagedserve ÷ offline`` is then what the service (HTTP, queue, database, event publishing, the client sharing the
+CPU) keeps of the engine's throughput.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ def engine_kwargs(model: str, pagedserve_flags: list[str], concurrency: int) -> 
     return worker_engine_kwargs(settings) | {"max_num_seqs": concurrency}
 
 
+def service_default_sampling() -> dict[str, Any]:
+    """The sampling parameters a request that names none gets from the service (what guidellm's requests get)."""
+    from core.sampling_fields import SAMPLING_FIELDS
+
+    return {name: SAMPLING_FIELDS[name].default for name in ("temperature", "top_p", "top_k", "min_p")}
+
+
 def run(model: str, pagedserve_flags: list[str], workload: Workload, concurrency: int) -> dict[str, Any]:
     """Time ``LLM.generate`` of the workload after a warm-up request; a row like guidellm_client.summarize's."""
     from engine import LLM, SamplingParams
@@ -49,7 +58,7 @@ def run(model: str, pagedserve_flags: list[str], workload: Workload, concurrency
     llm = LLM(**kwargs)
     llm.generate([[1000 + i for i in range(16)]], SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0),
                  use_tqdm=False)
-    params = SamplingParams(max_tokens=workload.output_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True, **service_default_sampling())
     started = time.perf_counter()
     outputs = llm.generate(prompts(workload, llm.engine.model.config.vocab_size), params, use_tqdm=False)
     duration_s = time.perf_counter() - started

@@ -114,3 +114,14 @@ def test_keep_others_keeps_the_other_systems_runs_of_the_same_workload(tmp_path:
     assert serve.earlier_runs(args) == ("python -m benchmarks.serve", [{"system": "llama.cpp", "config": "x"}])
     with pytest.raises(SystemExit, match="measured another workload"):
         serve.earlier_runs(serve.parse_args(["--systems", "pagedserve", "--requests", "8", "--out", str(tmp_path)]))
+
+
+def test_offline_engine_samples_as_the_service_samples_guidellms_requests() -> None:
+    # guidellm's requests name no sampling parameter: the OpenAI endpoints' defaults apply to them, and the offline
+    # ceiling must sample the same way (a greedy ceiling skips the sampler's work and flatters the engine)
+    from api.openai_schemas import OpenAIRequest
+    from benchmarks.serve_offline import service_default_sampling
+
+    sampling = service_default_sampling()
+    assert sampling["temperature"] > 0
+    assert sampling == {name: OpenAIRequest.model_fields[name].default for name in sampling}
