@@ -1,4 +1,4 @@
-"""What the CPU computes in hardware, read once from ``/proc/cpuinfo``'s flags (none where there is no such file)."""
+"""What the CPU computes in hardware, read once from ``/proc/cpuinfo`` (nothing where there is no such file)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,30 @@ _AMX_FLAGS = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``avx512_bf16``, ``amx_bf16``…); empty where the OS does not list them."""
+def _first_processor() -> dict[str, str]:
+    """The fields of the first processor in ``/proc/cpuinfo`` (``flags``, ``vendor_id``…); empty without the file."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if not line.strip():  # a blank line ends a processor's block
+                    break
+                name, _, value = line.partition(":")
+                fields[name.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``avx512_bf16``, ``amx_bf16``…); empty where the OS does not list them."""
+    return frozenset(_first_processor().get("flags", "").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``); empty where the OS does not list it."""
+    return _first_processor().get("vendor_id", "")
 
 
 def has_amx_for(dtype: torch.dtype) -> bool:
