@@ -14,6 +14,7 @@ captured function over the same static buffers and so checks everything but capt
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -29,6 +30,8 @@ SMALL_CAPTURE_SIZES = (1, 2, 4)
 CAPTURE_SIZE_STEP = 8  # past the small sizes, every multiple of 8 (vLLM's choice)
 PADDING_SLOT = -1  # reshape_and_cache skips it: a padding row writes no cache slot
 PADDING_BLOCK = 0  # a padding row's one context token is read from here and dropped
+
+logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -143,41 +146,46 @@ class DecodeGraphRunner:
 
     def __init__(
         self, model: LlamaForCausalLM, cache: CacheEngine, ops: KernelBackend, max_blocks_per_seq: int,
-        sizes: list[int], make_capture: Callable[[], GraphCapture],
+        sizes: list[int],
     ) -> None:
         self.model = model
         self.cache = cache
         self.ops = ops
         self.sizes = sorted(sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.make_capture = make_capture
         key_cache = cache.gpu_cache[0][0]
         self.inputs = StaticDecodeInputs(self.sizes[-1], max_blocks_per_seq, key_cache.device)
         self.graphs: dict[int, tuple[GraphCapture, torch.Tensor]] = {}
         self.num_replays = 0
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, make_capture: Callable[[], GraphCapture]) -> None:
         """Record every size, largest first (the smaller graphs reuse the pool memory it took, as vLLM)."""
         for size in reversed(self.sizes):
             forward = self._forward(size)
             forward()  # warm-up outside the capture: Triton compiles, the BLAS libraries pick their kernels
-            graph = self.make_capture()
+            graph = make_capture()
             self.graphs[size] = (graph, graph.capture(forward))
 
-    def _forward(self, size: int) -> Callable[[], torch.Tensor]:
-        """The forward pass over the static rows ``:size``, with a decode plan made now from sizes alone."""
+    def plans_statically(self) -> bool:
+        """Whether the backend plans decode from shapes alone, as a graph needs (the reference backend
+        plans from the lengths it reads back, which a capture forbids)."""
+        return self._plan(self.sizes[0]) is not None
+
+    def _plan(self, size: int) -> KernelPlan | None:
+        """The backend's decode plan over the static rows ``:size``, made from their shapes alone."""
         key_cache, value_cache = self.cache.gpu_cache[0]
         attention = self.model.layers[0].self_attn
         query = torch.empty((size, attention.num_heads, attention.head_dim), dtype=key_cache.dtype,
                             device=key_cache.device)
+        return self.ops.plan_decode_static(query, key_cache, value_cache, self.inputs.block_tables[:size],
+                                           self.inputs.context_lens[:size])
+
+    def _forward(self, size: int) -> Callable[[], torch.Tensor]:
+        """The forward pass over the static rows ``:size``, with a decode plan made now from sizes alone."""
         inputs = self.inputs
-        plan = self.ops.plan_decode_static(query, key_cache, value_cache, inputs.block_tables[:size],
-                                           inputs.context_lens[:size])
-        if plan is None and key_cache.device.type == "cuda":
-            raise ValueError(f"attention backend {getattr(self.ops, '__name__', self.ops)} plans decode from the "
-                             "lengths it reads back, so it cannot run in a CUDA graph: use attention_backend="
-                             "'triton' or enforce_eager=True")
+        plan = self._plan(size)
+        key_cache = self.cache.gpu_cache[0][0]
         num_slots = key_cache.shape[0] * key_cache.shape[1]
 
         def forward() -> torch.Tensor:
@@ -227,10 +235,15 @@ def uses_cuda_graphs(device: torch.device, enforce_eager: bool) -> bool:
 
 def capture_decode_graphs(
     model: LlamaForCausalLM, cache: CacheEngine, ops: KernelBackend, max_blocks_per_seq: int, max_batch: int,
-) -> DecodeGraphRunner:
-    """Capture the decode graphs of batches up to ``max_batch`` in one shared memory pool (CUDA only)."""
+) -> DecodeGraphRunner | None:
+    """Capture the decode graphs of batches up to ``max_batch`` in one shared memory pool (CUDA only);
+    None, every step eager, where the backend cannot plan decode for a graph."""
+    graphs = DecodeGraphRunner(model, cache, ops, max_blocks_per_seq, capture_sizes(max_batch))
+    if not graphs.plans_statically():
+        logger.warning("attention backend %s plans decode from the lengths it reads back, which a CUDA graph "
+                       "cannot replay: decode runs eagerly (attention_backend='triton' captures)",
+                       getattr(ops, "__name__", ops))
+        return None
     pool = torch.cuda.graph_pool_handle()
-    graphs = DecodeGraphRunner(model, cache, ops, max_blocks_per_seq, capture_sizes(max_batch),
-                               lambda: CudaGraphCapture(pool))
-    graphs.capture()
+    graphs.capture(lambda: CudaGraphCapture(pool))
     return graphs

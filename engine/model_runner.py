@@ -37,18 +37,23 @@ class StagingBuffer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # recorded after each copy out of ``pinned``; the next upload waits for it before overwriting
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def upload(self, values: list[int]) -> torch.Tensor:
         """``values`` as an int64 tensor on the device."""
         host = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
+        if self.copied is None:
             return host
         if self.pinned.numel() < len(values):
             self.pinned = torch.empty(2 * len(values), dtype=torch.int64, pin_memory=True)
-        # Reusing the buffer is safe: the previous step's copy finished before its sampled tokens
-        # were read back, and that read-back happened before this step began.
+        # A step that samples nothing (a prefill chunk) reads nothing back, so its copy may still be
+        # queued behind earlier kernels: wait for it (it has almost always run) before overwriting.
+        self.copied.synchronize()
         staged = self.pinned[: len(values)].copy_(host)
-        return staged.to(self.device, non_blocking=True)
+        uploaded = staged.to(self.device, non_blocking=True)
+        self.copied.record()
+        return uploaded
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """Decode from captured graphs: padded batches, static buffers, when graphs are used and when not.
 
-On the CPU the graphs are ``EagerCapture``: the captured function re-runs over the same static buffers
-with the plan made at capture, which checks padding, buffers and static plans but not a CUDA capture
-or replay; the ``gpu`` test compares real graphs with eager decoding.
+The graphs here are ``EagerCapture`` (on CUDA too, where these tests run with the compiled kernels):
+the captured function re-runs over the same static buffers with the plan made at capture, which checks
+padding, buffers and static plans but not a CUDA capture or replay; the ``gpu`` test compares real
+graphs with eager decoding.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.cuda_graphs import (  # noqa: E402
     PADDING_SLOT,
     DecodeGraphRunner,
     EagerCapture,
+    capture_decode_graphs,
     capture_sizes,
     padded_batch_size,
     uses_cuda_graphs,
@@ -31,19 +33,22 @@ from tests.engine.test_device_syncs import READ_BACKS, ReadBackCounter  # noqa: 
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 64  # static tables of 8 blocks
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton (no interpreter) takes CUDA tensors only
 
 
 def _llm(folder: Path, backend: str, **kwargs: object) -> LLM:
+    """An engine stepping eagerly unless told otherwise: the tests attach their own graphs."""
+    settings = {"device": DEVICE, "enforce_eager": True, **kwargs}
     return LLM(model=str(folder), dtype="float32", kv_cache_memory="2MiB", attention_backend=backend,
-               block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, device="cpu", **kwargs)
+               block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, **settings)
 
 
 def _static_graphs(llm: LLM, max_batch: int) -> DecodeGraphRunner:
     """Graphs of the static-buffer path, run eagerly, attached to the engine's runner."""
     engine = llm.engine
     graphs = DecodeGraphRunner(engine.model, engine.cache, engine.ops, MAX_MODEL_LEN // BLOCK_SIZE,
-                               capture_sizes(max_batch), EagerCapture)
-    graphs.capture()
+                               capture_sizes(max_batch))
+    graphs.capture(EagerCapture)
     engine.runner.graphs = graphs
     return graphs
 
@@ -74,7 +79,20 @@ def test_cuda_captures_unless_enforce_eager_and_the_cpu_never_does(tiny_model_di
     assert uses_cuda_graphs(torch.device("cuda"), enforce_eager=False)
     assert not uses_cuda_graphs(torch.device("cuda"), enforce_eager=True)
     assert not uses_cuda_graphs(torch.device("cpu"), enforce_eager=False)
-    assert _llm(tiny_model_dir, "torch", enforce_eager=False).engine.runner.graphs is None
+    assert _llm(tiny_model_dir, "torch", device="cpu", enforce_eager=False).engine.runner.graphs is None
+
+
+def test_a_backend_that_plans_decode_only_from_values_decodes_eagerly_instead_of_capturing(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the reference backend's decode plan is a gather of the step's blocks, made from lengths read back:
+    # no graph can replay it, so the engine steps eagerly (before any CUDA call: this runs on the CPU)
+    engine = _llm(tiny_model_dir, "torch").engine
+    assert capture_decode_graphs(engine.model, engine.cache, engine.ops, MAX_MODEL_LEN // BLOCK_SIZE, 4) is None
+    assert "decode runs eagerly" in caplog.text
+    triton = _llm(tiny_model_dir, "triton").engine
+    graphs = DecodeGraphRunner(triton.model, triton.cache, triton.ops, MAX_MODEL_LEN // BLOCK_SIZE, [1])
+    assert graphs.plans_statically()
 
 
 @pytest.mark.parametrize(("field", "value"), [("enforce_eager", "yes"), ("cuda_graph_max_batch", 0),
