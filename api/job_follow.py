@@ -1,8 +1,9 @@
-"""Following a job's event stream in Redis: its token deltas as generated, then the job in its final state."""
+"""Following a job's streams in Redis: its token deltas as generated then the job in its final state, or that alone."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,9 @@ from core.db import session_factory
 from core.models import Job
 
 IDLE_CHECK_MS = 1000
+# How often a final-only follower asks the store, in case Redis lost (or never got) the final entry:
+# rarely, since 32 waiters asking every second would cost the CPU that following only the end saves.
+FINAL_RECHECK_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,5 +88,32 @@ async def follow_job(
                     continue
                 yield FinalEvent(await run_in_threadpool(load_job, job_id), entry_id)
                 return
+    finally:
+        await client.aclose()
+
+
+async def follow_final(job_id: str, idle_ms: int = IDLE_CHECK_MS) -> AsyncIterator[FinalEvent | None]:
+    """Yield None after each idle `idle_ms` (a chance to check the client), then the job once final.
+
+    Blocks on the job's final stream alone, so its tokens wake nothing.
+    """
+    client = streams.async_redis_client()
+    stream_key = streams.final_key(job_id)
+    last_id, next_store_check = "0-0", 0.0
+    try:
+        while True:
+            reply = await client.xread({stream_key: last_id}, block=idle_ms, count=1)
+            if reply:
+                last_id = reply[0][1][0][0]  # read past it: an entry the store contradicts is read once
+            elif time.monotonic() < next_store_check:
+                yield None
+                continue
+            else:  # Redis may have lost the final entry, or never got it (it was down when the job ended)
+                next_store_check = time.monotonic() + FINAL_RECHECK_S
+            job = await run_in_threadpool(load_job, job_id)
+            if job.status.is_final:
+                yield FinalEvent(job)
+                return
+            yield None
     finally:
         await client.aclose()

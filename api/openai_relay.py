@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import jobs
 from api.errors import ApiError
-from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
+from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_final, follow_job
 from api.openai_schemas import StreamOptions
 from core.db import session_factory
 from core.models import ApiKey, Job
@@ -31,7 +31,7 @@ from core.openai_responses import (
     usage,
 )
 
-DISCONNECT_CHECK_S = 0.5
+DISCONNECT_CHECK_MS = 500
 
 
 def _cancel_quietly(key: ApiKey, job_id: str) -> None:
@@ -57,20 +57,18 @@ def failure(job: Job) -> ApiError | None:
 async def wait_for_job(request: Request, key: ApiKey, job_id: str, timeout_s: float) -> Job | None:
     """The job once final; None (and the job cancelled) if the client disconnects first; 504 past the timeout."""
     deadline = time.monotonic() + timeout_s
-    next_check = 0.0
-    async with aclosing(follow_job(job_id)) as events:
+    # the job's end alone wakes this wait (not each token), and every idle DISCONNECT_CHECK_MS
+    async with aclosing(follow_final(job_id, DISCONNECT_CHECK_MS)) as events:
         async for event in events:
             if isinstance(event, FinalEvent):
                 return event.job
             if time.monotonic() >= deadline:
                 await cancel_unfinished(key, job_id)
                 raise ApiError(504, f"job {job_id} did not finish within {timeout_s:g} s and was cancelled", None)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + DISCONNECT_CHECK_S
-                if await request.is_disconnected():
-                    await cancel_unfinished(key, job_id)
-                    return None
-    raise AssertionError("a job's event stream ends with its final event")
+            if await request.is_disconnected():
+                await cancel_unfinished(key, job_id)
+                return None
+    raise AssertionError("following a job ends with its final event")
 
 
 async def wait_for_jobs(request: Request, key: ApiKey, job_ids: list[str], timeout_s: float) -> list[Job] | None:

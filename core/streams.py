@@ -1,4 +1,4 @@
-"""Redis connections and the per-job event stream that carries tokens from workers to SSE clients."""
+"""Redis connections and a job's two streams: its events (tokens, then the final entry) and its final entry alone."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def events_key(job_id: str) -> str:
     return key("job", job_id, "events")
 
 
+def final_key(job_id: str) -> str:
+    """The Redis stream holding only a job's final event (what non-streaming waiters block on)."""
+    return key("job", job_id, "final")
+
+
 def cancel_key(job_id: str) -> str:
     """The Redis flag telling a worker to abort a running job."""
     return key("cancel", job_id)
@@ -70,10 +75,12 @@ def publish_restart(client: redis.Redis, job_id: str, attempt: int) -> None:
 
 
 def publish_final(client: redis.Redis, job_id: str, status: str) -> None:
-    """Close a job's event stream with its final status."""
+    """Close a job's event stream with its final status, and put the same entry on its final stream."""
+    entry = {"type": "final", "data": json.dumps({"status": status})}
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(events_key(job_id), {"type": "final", "data": json.dumps({"status": status})})
-    pipe.expire(events_key(job_id), FINISHED_EVENTS_TTL_S)
+    for stream_key in (events_key(job_id), final_key(job_id)):
+        pipe.xadd(stream_key, entry)
+        pipe.expire(stream_key, FINISHED_EVENTS_TTL_S)
     pipe.execute()
 
 
