@@ -1,4 +1,4 @@
-"""Quality and speed of the engine's numerics: exact fp32, packed fp32 (the default) and int8.
+"""Quality and speed of the engine's numerics: exact fp32, oneDNN-packed fp32, fp16 weights and int8.
 
 Quality: the mean change of the log-probability of each token of a fixed text (teacher forced, on
 transformers' model with our layers swapped in) and how many greedy tokens of the engine agree with
@@ -22,14 +22,16 @@ from torch import nn
 from benchmarks.common import cpu_description
 from engine import LLM, SamplingParams
 from engine.model_files import resolve_model
-from engine.models.cpu_packing import pack_linear_layers
+from engine.models.cpu_packing import Fp16Linear, pack_linear_layers
 from engine.models.quantization import quantize_linear_layers
+from kernels.cpu_features import has_fbgemm_fp16
 
 # variant name -> LLM keyword arguments
 VARIANTS: dict[str, dict[str, object]] = {
     "fp32-plain": {"cpu_weight_packing": "exact"},
-    "fp32-packed": {"cpu_weight_packing": "auto"},
-    "int8": {"quantization": "int8"},
+    "fp32-packed": {"cpu_weight_packing": "onednn"},
+    "fp16-weights": {"cpu_weight_packing": "fp16"},  # where fbgemm runs (AVX2, F16C, FMA)
+    "int8": {"quantization": "int8", "cpu_weight_packing": "onednn"},
 }
 FIXED_TEXT = (
     "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades of salt and "
@@ -60,6 +62,8 @@ def hf_variant(folder: Path, variant: str) -> nn.Module:
         quantize_linear_layers(model.model)  # the decoder; a tied head stays full precision, as in the engine
     elif variant == "fp32-packed":
         pack_linear_layers(model)  # type: ignore[arg-type]
+    elif variant == "fp16-weights":
+        pack_linear_layers(model, Fp16Linear)  # type: ignore[arg-type]
     return model
 
 
@@ -149,7 +153,7 @@ def machine() -> str:
 def print_quality(folder: Path, llms: dict[str, LLM], max_tokens: int) -> None:
     """Each fast variant's log-prob change on the fixed text and its greedy agreement with exact fp32."""
     reference = greedy_tokens(llms["fp32-plain"], PROMPTS, max_tokens)
-    for name in ("fp32-packed", "int8"):
+    for name in [name for name in llms if name != "fp32-plain"]:
         mean, mean_abs = logprob_change(folder, name)
         agree = agreement(greedy_tokens(llms[name], PROMPTS, max_tokens), reference)
         print(f"{name}: log-prob change vs exact fp32 mean {mean:+.4f}, mean |.| {mean_abs:.4f} nats/token; "
@@ -180,8 +184,9 @@ def main() -> None:
     args = parser.parse_args()
     folder = resolve_model(args.model)
     print(f"machine: {machine()}", flush=True)
+    variants = {name: kwargs for name, kwargs in VARIANTS.items() if name != "fp16-weights" or has_fbgemm_fp16()}
     llms = {name: LLM(model=str(folder), dtype="float32", kv_cache_memory="256MiB", max_num_seqs=max(args.rows),
-                      **kwargs) for name, kwargs in VARIANTS.items()}
+                      **kwargs) for name, kwargs in variants.items()}
     if not args.speed_only:
         print_quality(folder, llms, args.max_tokens)
     for rows in args.rows:

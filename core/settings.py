@@ -40,9 +40,10 @@ class Settings(BaseSettings):
     attention_backend: Literal["triton", "torch"] | None = Field(None, description="attention implementation")
     num_threads: int | None = Field(
         None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
-    cpu_weight_packing: Literal["auto", "exact", "off"] = Field(
-        "auto", description="oneDNN-prepacked weights on the CPU: auto = fp32 and bf16 (fastest), exact = bf16 only "
-        "(tokens equal transformers')")
+    cpu_weight_packing: Literal["auto", "onednn", "fp16", "exact", "off"] = Field(
+        "auto", description="prepacked weights on the CPU: onednn = oneDNN's layout (fp32 and bf16), fp16 = fp32 "
+        "models' weights in fp16 for fbgemm, auto = the fastest (fp16 where there is no AVX-512, else onednn), "
+        "exact = bf16 packed only (fp32 tokens equal transformers')")
     quantization: Literal["int8"] | None = Field(
         None, description="int8 = int8 weights and activations in the linear layers (CPU; faster, small quality cost)")
     max_model_len: int | None = Field(None, ge=1, description="context length (default: the model's own)")

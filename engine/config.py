@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_features import cpu_flags, cpu_vendor
+from kernels.cpu_features import cpu_flags, cpu_vendor, has_fbgemm_fp16
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -20,7 +20,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 PREEMPTION_MODES = ("swap", "recompute")
-WEIGHT_PACKING_MODES = ("auto", "exact", "off")
+WEIGHT_PACKING_MODES = ("auto", "onednn", "fp16", "exact", "off")
 QUANTIZATION_MODES = ("int8",)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -120,6 +120,9 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.cpu_weight_packing!r}"
             )
+        if self.cpu_weight_packing == "fp16" and not has_fbgemm_fp16():
+            raise ValueError("cpu_weight_packing='fp16' needs torch's fbgemm engine and a CPU with AVX2, F16C and FMA, "
+                             "which this one lacks: use 'auto'")
         if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be None or one of {QUANTIZATION_MODES}, got {self.quantization!r}")
         if self.quantization is not None and self.torch_device().type != "cpu":

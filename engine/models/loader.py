@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from engine.models.cpu_packing import pack_linear_layers, packing_applies
+from engine.models.cpu_packing import pack_linear_layers, packed_layer_type
 from engine.models.llama import LlamaForCausalLM
 from engine.models.quantization import quantize_linear_layers
 from kernels.backend import KernelBackend
@@ -77,8 +77,9 @@ def load_model(
     model = model.to(device).eval()
     if quantization == "int8":
         quantize_linear_layers(model)
-    if packing_applies(dtype, device, weight_packing):
-        pack_linear_layers(model)
+    layer_type = packed_layer_type(dtype, device, weight_packing)
+    if layer_type is not None:
+        pack_linear_layers(model, layer_type)
     return model
 
 

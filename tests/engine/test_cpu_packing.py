@@ -1,5 +1,6 @@
-"""Prepacked linear layers: bf16 computes exactly what ``F.linear`` does, fp32 (packed by default) within
-rounding of it, and the ``exact`` mode keeps fp32 on ``F.linear``."""
+"""Prepacked linear layers: bf16 computes exactly what ``F.linear`` does, oneDNN's fp32 within rounding of
+it, fp16 weights (fbgemm) within the rounding of the weights, the ``auto`` mode picks per CPU, and the
+``exact`` mode keeps fp32 on ``F.linear``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from torch import nn
 
 from benchmarks import numerics
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.models import cpu_packing, loader
+from kernels import cpu_features
 
-BF16_PACKS = cpu_packing.packing_applies(torch.bfloat16, torch.device("cpu"))
+CPU = torch.device("cpu")
+BF16_PACKS = cpu_packing.packed_layer_type(torch.bfloat16, CPU) is not None
+FBGEMM_FP16 = cpu_features.has_fbgemm_fp16()
 
 
 @pytest.mark.onednn_bf16
@@ -56,11 +61,42 @@ def test_bf16_engine_generates_the_same_tokens_with_and_without_packing(tiny_mod
     assert generate("exact") == generate("off")
 
 
-def test_fp32_is_packed_by_default_and_not_in_exact_mode() -> None:
-    cpu = torch.device("cpu")
-    assert cpu_packing.packing_applies(torch.float32, cpu) == torch.backends.mkldnn.is_available()
-    assert not cpu_packing.packing_applies(torch.float32, cpu, "exact")
-    assert not cpu_packing.packing_applies(torch.float32, cpu, "off")
+@pytest.mark.parametrize(("mode", "no_avx512", "expected"), [
+    ("auto", True, cpu_packing.Fp16Linear),  # fp16 weights measured faster without AVX-512
+    ("auto", False, cpu_packing.PackedLinear),
+    ("onednn", True, cpu_packing.PackedLinear),
+    ("fp16", False, cpu_packing.Fp16Linear),
+    ("exact", True, None),
+    ("off", True, None),
+])
+def test_fp32_packing_follows_the_mode_and_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, mode: str, no_avx512: bool, expected: type | None,
+) -> None:
+    monkeypatch.setattr(cpu_packing, "fp16_weights_are_faster", lambda: no_avx512)
+    assert cpu_packing.packed_layer_type(torch.float32, CPU, mode) is expected
+    assert cpu_packing.packed_layer_type(torch.float32, torch.device("cuda"), mode) is None
+
+
+def test_fp16_weights_are_chosen_by_auto_only_without_avx512_and_with_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_features, "has_fbgemm_fp16", lambda: True)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
+    assert cpu_features.fp16_weights_are_faster()
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "avx512f"}))
+    assert not cpu_features.fp16_weights_are_faster()
+    monkeypatch.setattr(cpu_features, "has_fbgemm_fp16", lambda: False)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
+    assert not cpu_features.fp16_weights_are_faster()
+
+
+def test_fp16_packing_where_fbgemm_cannot_run_it_fails_at_start_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine import config
+
+    monkeypatch.setattr(config, "has_fbgemm_fp16", lambda: False)
+    with pytest.raises(ValueError, match="cpu_weight_packing='fp16' needs torch's fbgemm"):
+        EngineConfig(cpu_weight_packing="fp16")
+    EngineConfig(cpu_weight_packing="auto")  # auto then packs for oneDNN
 
 
 def test_packed_fp32_linear_stays_within_rounding_of_f_linear() -> None:
@@ -70,16 +106,40 @@ def test_packed_fp32_linear_stays_within_rounding_of_f_linear() -> None:
     torch.testing.assert_close(packed(hidden), F.linear(hidden, linear.weight), atol=1e-5, rtol=1e-5)
 
 
-def test_default_fp32_engine_keeps_the_exact_modes_log_probs_and_greedy_tokens(tiny_model_dir: Path) -> None:
+@pytest.mark.fbgemm_fp16
+@pytest.mark.skipif(not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
+def test_fp16_weight_linear_computes_with_the_weights_rounded_to_fp16(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=True)
+    hidden = torch.randn(shape)
+    out = cpu_packing.Fp16Linear(linear.weight, linear.bias)(hidden)
+    rounded = F.linear(hidden, linear.weight.half().float(), linear.bias)  # the bias stays fp32
+    assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 160)
+    torch.testing.assert_close(out, rounded, atol=1e-5, rtol=1e-4)
+    assert (out - F.linear(hidden, linear.weight, linear.bias)).abs().max() > 0  # it does round
+
+
+@pytest.mark.fbgemm_fp16
+@pytest.mark.skipif(not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")
+def test_fp16_loading_keeps_the_lm_head_packed_fp32(tiny_model_dir: Path) -> None:
+    model = loader.load_model(tiny_model_dir, torch.float32, CPU, ops=None, weight_packing="fp16")  # type: ignore[arg-type]
+    layers = [module for module in model.modules() if isinstance(module, cpu_packing.Fp16Linear)]
+    assert len(layers) == 4 * len(model.layers)  # fused qkv, o, fused gate_up, down
+    assert isinstance(model.lm_head, cpu_packing.PackedLinear)
+    assert not any(isinstance(module, nn.Linear) for module in model.modules())
+
+
+def test_onednn_fp32_engine_keeps_the_exact_modes_log_probs_and_greedy_tokens(tiny_model_dir: Path) -> None:
     mean, mean_abs = numerics.logprob_change(tiny_model_dir, "fp32-packed")
     assert abs(mean) < 1e-5 and mean_abs < 1e-4
 
     def generate(packing: str) -> list[list[int]]:
         llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", cpu_weight_packing=packing)
-        assert isinstance(llm.engine.model.lm_head, cpu_packing.PackedLinear) == (packing == "auto")
+        assert isinstance(llm.engine.model.lm_head, cpu_packing.PackedLinear) == (packing == "onednn")
         return numerics.greedy_tokens(llm, numerics.PROMPTS, 24)
 
-    assert numerics.agreement(generate("auto"), generate("exact")) == 1.0
+    assert numerics.agreement(generate("onednn"), generate("exact")) == 1.0
 
 
 def test_an_unknown_packing_mode_names_the_argument(tiny_model_dir: Path) -> None:

@@ -15,6 +15,7 @@ from core.settings import Settings
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import quantization
+from kernels.cpu_features import has_fbgemm_fp16
 from worker.service import engine_kwargs
 
 
@@ -81,7 +82,9 @@ def smollm2_exact_greedy(smollm2_dir: Path) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("variant", "max_mean_drop", "max_mean_abs", "min_agreement"),
-    [("fp32-packed", 1e-4, 1e-3, 0.9), ("int8", 0.1, 0.35, 0.15)],
+    [("fp32-packed", 1e-4, 1e-3, 0.9), pytest.param("fp16-weights", 1e-3, 5e-3, 0.9, marks=[
+        pytest.mark.fbgemm_fp16, pytest.mark.skipif(not has_fbgemm_fp16(), reason="needs fbgemm's fp16 GEMM")]),
+     ("int8", 0.1, 0.35, 0.15)],
 )
 def test_smollm2_quality_stays_within_bounds(
     smollm2_dir: Path, smollm2_exact_greedy: list[list[int]], variant: str,
