@@ -11,7 +11,8 @@ Where there is no AVX-512, decode steps are bound by reading the weights: fbgemm
 (``quantized::linear_dynamic_fp16``, torch's own op; torchao has no CPU path that keeps fp16 weights
 and fp32 arithmetic) reads half the bytes and runs the decoder layers 1.3-2.1x faster than packed fp32
 at 8-128 rows on an AVX2 EPYC, while rounding each weight to 11 significant bits (bf16 keeps 8). The LM
-head stays packed fp32: at 49,152 outputs fbgemm's fp16 ran 0.5-0.8x oneDNN's at 32 rows and more.
+head (49,152 outputs) is packed both ways there: fbgemm's fp16 ran it 2.4x faster than oneDNN's fp32 at
+1-4 rows, 1.55x at 8 and 1.18x at 16, but 0.8x at 24-32 and 0.5x at 128.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
 from kernels.cpu_features import fp16_weights_are_faster
+
+FP16_HEAD_MAX_ROWS = 16  # the most rows for which fbgemm's fp16 LM head beat oneDNN's fp32 (see above)
 
 
 class PackedLinear(nn.Module):
@@ -49,6 +52,21 @@ class Fp16Linear(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(hidden, self.packed_weight)
+
+
+class RowSplitHead(nn.Module):
+    """An LM head held as fp16 weights for fbgemm, used up to ``FP16_HEAD_MAX_ROWS`` rows, and as oneDNN's
+    packed fp32 for more rows, where fbgemm's fp16 GEMM over so many outputs falls behind."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.few_rows = Fp16Linear(weight, bias)
+        self.many_rows = PackedLinear(weight, bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.numel() // self.in_features
+        return (self.few_rows if rows <= FP16_HEAD_MAX_ROWS else self.many_rows)(hidden)
 
 
 def packed_layer_type(dtype: torch.dtype, device: torch.device, mode: str = "auto") -> type[nn.Module] | None:
@@ -79,13 +97,13 @@ def replace_linear_layers(model: nn.Module, make: Callable[[torch.Tensor, torch.
 
 def pack_linear_layers(model: LlamaForCausalLM, layer_type: type[nn.Module] = PackedLinear) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``layer_type``, and its LM head (or, tied, a copy of the
-    embedding) by a ``PackedLinear``; returns how many were replaced. The original weights are released,
-    except the embedding. A head already replaced (quantized) stays."""
+    embedding) by a ``PackedLinear`` (a ``RowSplitHead`` with fp16 layers); returns how many were replaced.
+    The original weights are released, except the embedding. A head already replaced (quantized) stays."""
     head = model.lm_head
     if head is not None and not isinstance(head, nn.Linear):
         return replace_linear_layers(model, layer_type)
-    model.lm_head = None  # packed below as oneDNN's, even where the other layers are not
+    model.lm_head = None  # packed below, its own way
     count = replace_linear_layers(model, layer_type)
     weight, bias = (model.embed_tokens.weight, None) if head is None else (head.weight, head.bias)
-    model.lm_head = PackedLinear(weight, bias)
+    model.lm_head = (RowSplitHead if layer_type is Fp16Linear else PackedLinear)(weight, bias)
     return count + 1

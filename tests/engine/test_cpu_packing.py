@@ -122,12 +122,25 @@ def test_fp16_weight_linear_computes_with_the_weights_rounded_to_fp16(shape: tup
 
 @pytest.mark.fbgemm_fp16
 @pytest.mark.skipif(not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")
-def test_fp16_loading_keeps_the_lm_head_packed_fp32(tiny_model_dir: Path) -> None:
+def test_fp16_loading_packs_the_decoder_in_fp16_and_the_lm_head_both_ways(tiny_model_dir: Path) -> None:
     model = loader.load_model(tiny_model_dir, torch.float32, CPU, ops=None, weight_packing="fp16")  # type: ignore[arg-type]
-    layers = [module for module in model.modules() if isinstance(module, cpu_packing.Fp16Linear)]
-    assert len(layers) == 4 * len(model.layers)  # fused qkv, o, fused gate_up, down
-    assert isinstance(model.lm_head, cpu_packing.PackedLinear)
+    decoder = [module for module in model.layers.modules() if isinstance(module, cpu_packing.Fp16Linear)]
+    assert len(decoder) == 4 * len(model.layers)  # fused qkv, o, fused gate_up, down
+    assert isinstance(model.lm_head, cpu_packing.RowSplitHead)
     assert not any(isinstance(module, nn.Linear) for module in model.modules())
+
+
+@pytest.mark.fbgemm_fp16
+@pytest.mark.skipif(not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")
+def test_the_row_split_head_runs_few_rows_on_fp16_weights_and_more_on_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(300, 64)
+    head = cpu_packing.RowSplitHead(weight, None)
+    monkeypatch.setattr(cpu_packing, "FP16_HEAD_MAX_ROWS", 4)
+    for rows in (1, 4, 5, 9):
+        hidden = torch.randn(rows, 64)
+        expected = F.linear(hidden, weight.half().float() if rows <= 4 else weight)
+        torch.testing.assert_close(head(hidden), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_onednn_fp32_engine_keeps_the_exact_modes_log_probs_and_greedy_tokens(tiny_model_dir: Path) -> None:
