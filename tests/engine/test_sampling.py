@@ -17,7 +17,8 @@ VOCAB_SIZE = 49152  # SmolLM2's, which the tiny model shares
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> LLM:
-    return LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", seed=1)
+    # exact numerics: logprobs are checked against transformers' fp32 log-softmax
+    return LLM(model=str(tiny_model_dir), dtype="float32", cpu_weight_packing="exact", kv_cache_memory="8MiB", seed=1)
 
 
 def greedy(llm: LLM, prompt: str = PROMPT, **kwargs: object) -> object:

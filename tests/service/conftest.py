@@ -104,6 +104,7 @@ def service_settings(
         redis_key_prefix=redis_prefix,
         model=str(service_model_dir),
         dtype="float32",
+        cpu_weight_packing="exact",  # logprobs are checked against transformers' fp32 model
         kv_cache_memory="32MiB",
         swap_space="32MiB",
         max_num_seqs=32,

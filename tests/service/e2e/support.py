@@ -12,8 +12,8 @@ from tests.service.procs import wait_until
 
 def offline_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """Greedy token ids of the prompts from an in-process engine (the reference for service outputs)."""
-    engine = LLMEngine.from_kwargs(model=str(model_dir), dtype="float32", kv_cache_memory="32MiB",
-                                   swap_space="32MiB", max_num_seqs=32)
+    engine = LLMEngine.from_kwargs(model=str(model_dir), dtype="float32", cpu_weight_packing="exact",
+                                   kv_cache_memory="32MiB", swap_space="32MiB", max_num_seqs=32)  # as service_settings
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
