@@ -32,7 +32,8 @@ def database_url(sqlite_url: str) -> str:
 def small_service(service_model_dir: Path) -> Iterator[EngineService]:
     """An engine service whose KV cache and swap pool together hold 320 tokens."""
     engine = LLMEngine.from_kwargs(model=str(service_model_dir), dtype="float32", kv_cache_memory=KV_CACHE_MEMORY,
-                                   swap_space=SWAP_SPACE, max_num_seqs=16, preemption_mode="swap")
+                                   swap_space=SWAP_SPACE, max_num_seqs=16, preemption_mode="swap",
+                                   cpu_weight_packing="exact")  # the numerics of service_settings' unpressured run
     service = EngineService(engine, token_sink=TokenPublisher()).start()
     yield service
     service.stop()
