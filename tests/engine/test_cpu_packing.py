@@ -4,7 +4,9 @@ it, fp16 weights (fbgemm) within the rounding of the weights, the ``auto`` mode 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -20,6 +22,13 @@ from kernels import cpu_features
 CPU = torch.device("cpu")
 BF16_PACKS = cpu_packing.packed_layer_type(torch.bfloat16, CPU) is not None
 FBGEMM_FP16 = cpu_features.has_fbgemm_fp16()
+Test = TypeVar("Test", bound=Callable[..., None])
+
+
+def needs_fbgemm_fp16(test: Test) -> Test:
+    """Mark ``test`` as needing fbgemm's fp16 GEMM (a hardware marker) and skip it without one."""
+    reason = "fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA"
+    return pytest.mark.fbgemm_fp16(pytest.mark.skipif(not FBGEMM_FP16, reason=reason)(test))
 
 
 @pytest.mark.onednn_bf16
@@ -106,8 +115,7 @@ def test_packed_fp32_linear_stays_within_rounding_of_f_linear() -> None:
     torch.testing.assert_close(packed(hidden), F.linear(hidden, linear.weight), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.fbgemm_fp16
-@pytest.mark.skipif(not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")
+@needs_fbgemm_fp16
 @pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
 def test_fp16_weight_linear_computes_with_the_weights_rounded_to_fp16(shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
@@ -120,8 +128,7 @@ def test_fp16_weight_linear_computes_with_the_weights_rounded_to_fp16(shape: tup
     assert (out - F.linear(hidden, linear.weight, linear.bias)).abs().max() > 0  # it does round
 
 
-@pytest.mark.fbgemm_fp16
-@pytest.mark.skipif(not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")
+@needs_fbgemm_fp16
 def test_fp16_loading_packs_the_decoder_in_fp16_and_the_lm_head_both_ways(tiny_model_dir: Path) -> None:
     model = loader.load_model(tiny_model_dir, torch.float32, CPU, ops=None, weight_packing="fp16")  # type: ignore[arg-type]
     decoder = [module for module in model.layers.modules() if isinstance(module, cpu_packing.Fp16Linear)]
@@ -130,8 +137,7 @@ def test_fp16_loading_packs_the_decoder_in_fp16_and_the_lm_head_both_ways(tiny_m
     assert not any(isinstance(module, nn.Linear) for module in model.modules())
 
 
-@pytest.mark.fbgemm_fp16
-@pytest.mark.skipif(not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")
+@needs_fbgemm_fp16
 def test_the_row_split_head_runs_few_rows_on_fp16_weights_and_more_on_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     weight = torch.randn(300, 64)
