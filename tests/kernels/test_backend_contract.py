@@ -25,7 +25,7 @@ def test_the_contract_names_every_kernel_the_engine_calls() -> None:
         "paged_prefill_attention", "copy_blocks", "swap_blocks"])
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("backend_name", ["cpu", "torch", "triton"])
 def test_each_backend_has_every_contract_function_with_its_parameters(backend_name: str) -> None:
     backend = select_backend(torch.device("cpu"), backend_name)
     for name in CONTRACT:

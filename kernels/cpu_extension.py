@@ -1,0 +1,46 @@
+"""The CPU's compiled kernels (``kernels/csrc/``), built once per machine by torch's C++ extension tooling.
+
+No maintained library ships a paged decode attention for torch's CPU build (vLLM's and IPEX's are tied to
+their own builds and torch versions), so this one is ours: a few dozen lines of C++ that torch compiles
+with the machine's compiler into its extension cache (``TORCH_EXTENSIONS_DIR``) on first use, and that
+later processes load from there. ``None`` where it cannot be built; callers then stay on plain torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+from kernels.cpu_features import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+FUNCTIONS = ["paged_decode"]
+
+
+def extension_name() -> str:
+    """The build's name: it carries the CPU's flags, since ``-march=native`` code runs only where they all are
+    (a cache directory shared by two machines never hands one's build to the other)."""
+    digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return f"pagedserve_cpu_kernels_{digest}"
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module (built on the first call in a machine's life, loaded after), or ``None`` with a
+    warning when the build fails (no C++ compiler, no ninja)."""
+    from torch.utils.cpp_extension import load_inline  # setuptools and friends: only when asked for
+
+    try:
+        return load_inline(
+            name=extension_name(), cpp_sources=[SOURCE.read_text()], functions=FUNCTIONS,
+            # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch)
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        )
+    except Exception as error:  # any build failure leaves the plain-torch path, which is always there
+        logger.warning("CPU kernels unavailable, decode attention stays on torch's SDPA: %s", error)
+        return None

@@ -1,0 +1,83 @@
+"""CPU backend: ``kernels.reference`` with decode attention replaced by the compiled paged kernel.
+
+The kernel reads each sequence's K/V rows in place through its block table, where the reference gathers
+every context into a fresh tensor per layer and then runs SDPA over it. Where the kernel cannot be built,
+or the dtype multiplies in AMX tiles (torch's fused SDPA is fast there), decode stays the reference's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+from kernels.checks import HostTables, check_attention_inputs, check_decode
+from kernels.cpu_extension import cpu_kernels
+from kernels.cpu_features import has_amx_for
+from kernels.reference import (
+    copy_blocks,
+    paged_prefill_attention,
+    plan_decode_static,
+    plan_prefill,
+    reshape_and_cache,
+    swap_blocks,
+)
+
+__all__ = [
+    "copy_blocks",
+    "paged_attention_decode",
+    "paged_prefill_attention",
+    "plan_decode",
+    "plan_decode_static",
+    "plan_prefill",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledDecodePlan:
+    """The step's decode arguments were checked; the compiled kernel needs nothing else from the host."""
+
+    num_queries: int
+
+
+def runs_compiled(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether decode over these tensors takes the compiled kernel."""
+    return (query.device.type == "cpu" and not has_amx_for(query.dtype)
+            and key_cache.is_contiguous() and value_cache.is_contiguous() and cpu_kernels() is not None)
+
+
+def plan_decode(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, host: HostTables | None = None,
+) -> CompiledDecodePlan | reference.AttentionPlan:
+    """Check the arguments of ``paged_attention_decode`` (from ``host`` when given) and plan it."""
+    if not runs_compiled(query, key_cache, value_cache):
+        return reference.plan_decode(query, key_cache, value_cache, block_tables, context_lens, host)
+    check_decode(query, key_cache, value_cache, block_tables, context_lens, host)
+    return CompiledDecodePlan(query.shape[0])
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: CompiledDecodePlan | reference.AttentionPlan | None = None,
+) -> torch.Tensor:
+    """``kernels.reference.paged_attention_decode``'s contract, computed by the compiled kernel."""
+    if plan is None:
+        plan = plan_decode(query, key_cache, value_cache, block_tables, context_lens)
+    if isinstance(plan, reference.AttentionPlan):
+        return reference.paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale, plan)
+    check_attention_inputs(query, key_cache, value_cache)
+    if plan.num_queries != query.shape[0]:
+        raise ValueError(f"plan covers {plan.num_queries} query rows, query has {query.shape[0]}")
+    kernels = cpu_kernels()
+    assert kernels is not None  # a CompiledDecodePlan is only made when the kernels load
+    return kernels.paged_decode(query.contiguous(), key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
+                                context_lens.to(torch.int32).contiguous(), scale)

@@ -1,0 +1,108 @@
+"""The CPU backend's compiled decode attention equals plain per-token attention, and is what the CPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops, reference, select_backend
+from kernels.checks import HostTables
+from kernels.cpu_extension import cpu_kernels
+from kernels.cpu_features import has_amx_for
+
+
+def naive_decode(query, key_cache, value_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
+    """Sequence by sequence: softmax(q·k) over its whole context, GQA by repeating KV heads."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for s, length in enumerate(lens):
+        slots = [int(tables[s, p // block_size]) * block_size + p % block_size for p in range(length)]
+        keys = key_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        values = value_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[s].float(), keys) * scale
+        out[s] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+    return out
+
+
+def _case(context_lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int,
+          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """Random caches, a query per sequence, and tables of scattered blocks padded with -1 past each context."""
+    num_seqs = len(context_lens)
+    width = max(-(-length // block_size) for length in context_lens) + 1
+    num_blocks = num_seqs * width + 3
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
+    blocks = torch.randperm(num_blocks).to(torch.int32).tolist()
+    for s, length in enumerate(context_lens):
+        used = -(-length // block_size)
+        tables[s, :used] = torch.tensor(blocks[s * width : s * width + used])
+    query = torch.randn(num_seqs, heads, dim).to(dtype)
+    return query, key_cache, value_cache, tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def test_the_cpu_kernels_build_here() -> None:
+    # a C++ compiler and ninja are part of the engine's install: without them the CPU falls back to SDPA,
+    # three times slower per decode step, so a machine that cannot build them fails here rather than skip
+    assert cpu_kernels() is not None
+
+
+@pytest.mark.parametrize(
+    ("context_lens", "block_size", "heads", "kv_heads", "dim"),
+    [([1, 2, 17, 160], 16, 9, 3, 64),  # SmolLM2's heads, a context of one token, partial blocks
+     ([33, 5], 1, 4, 4, 32),  # one token per block, no grouping
+     ([70, 3, 40, 66, 17, 9, 1], 8, 8, 2, 128),  # group of 4, head_dim 128, more sequences than threads
+     ([12, 31], 4, 6, 1, 40)],  # one KV head for all, a head_dim that is no multiple of the vector width
+)
+def test_compiled_decode_matches_naive_attention(
+    context_lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int,
+) -> None:
+    torch.manual_seed(0)
+    query, key_cache, value_cache, tables, lens = _case(context_lens, block_size, heads, kv_heads, dim)
+    plan = cpu_ops.plan_decode(query, key_cache, value_cache, tables, lens,
+                               host=HostTables(tables.tolist(), context_lens))
+    assert isinstance(plan, cpu_ops.CompiledDecodePlan)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, plan=plan)
+    expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_decode_reads_reduced_precision_caches(dtype: torch.dtype) -> None:
+    if has_amx_for(dtype):
+        pytest.skip(f"{dtype} multiplies in AMX tiles here: decode stays on torch's SDPA")
+    torch.manual_seed(1)
+    context_lens = [20, 45, 3]
+    query, key_cache, value_cache, tables, lens = _case(context_lens, 16, 6, 2, 64, dtype)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    assert out.dtype == dtype
+    expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_compiled_decode_checks_its_arguments_like_the_reference() -> None:
+    query, key_cache, value_cache, tables, lens = _case([10, 20], 8, 4, 2, 16)
+    lens[1] = 8 * tables.shape[1] + 1  # past the table's blocks
+    with pytest.raises(ValueError, match="context"):
+        cpu_ops.plan_decode(query, key_cache, value_cache, tables, lens)
+    plan = cpu_ops.plan_decode(query[:1], key_cache, value_cache, tables[:1], lens[:1])
+    with pytest.raises(ValueError, match="plan covers 1 query rows, query has 2"):
+        cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.25, plan=plan)
+
+
+def test_a_non_contiguous_cache_falls_back_to_the_reference() -> None:
+    torch.manual_seed(2)
+    query, key_cache, value_cache, tables, lens = _case([9, 30], 8, 4, 2, 16)
+    strided_keys, strided_values = (torch.cat([cache, cache], dim=-1)[..., :16] for cache in (key_cache, value_cache))
+    plan = cpu_ops.plan_decode(query, strided_keys, strided_values, tables, lens)
+    assert isinstance(plan, reference.AttentionPlan)
+    out = cpu_ops.paged_attention_decode(query, strided_keys, strided_values, tables, lens, 0.25, plan=plan)
+    torch.testing.assert_close(out, naive_decode(query, key_cache, value_cache, tables, [9, 30], 0.25),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_backend_is_the_default_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
+    assert select_backend(torch.device("cpu")) is cpu_ops
+    assert select_backend(torch.device("cpu"), "torch") is reference
