@@ -1,7 +1,8 @@
 """The CPU's compiled kernels (``kernels/csrc/``), built once per machine by torch's C++ extension tooling.
 
-No maintained library ships a paged decode attention for torch's CPU build (vLLM's and IPEX's are tied to
-their own builds and torch versions), so this one is ours: a few dozen lines of C++ that torch compiles
+No maintained library ships a paged decode attention, or fused norms and rotary embedding, for torch's CPU
+build (vLLM's and IPEX's are tied to their own builds and torch versions; torch's own ``rms_norm`` is
+composed of the same five ops on the CPU), so these are ours: a few dozen lines of C++ that torch compiles
 with the machine's compiler into its extension cache (``TORCH_EXTENSIONS_DIR``) on first use, and that
 later processes load from there. ``None`` where it cannot be built; callers then stay on plain torch.
 """
@@ -18,8 +19,8 @@ from kernels.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-FUNCTIONS = ["paged_decode"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
+FUNCTIONS = ["paged_decode", "rotary_", "add_rms_norm_"]
 
 
 def extension_name() -> str:
@@ -37,7 +38,7 @@ def cpu_kernels() -> ModuleType | None:
 
     try:
         return load_inline(
-            name=extension_name(), cpp_sources=[SOURCE.read_text()], functions=FUNCTIONS,
+            name=extension_name(), cpp_sources=[source.read_text() for source in SOURCES], functions=FUNCTIONS,
             # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch)
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
         )

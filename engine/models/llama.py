@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,18 +17,26 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, as the reference implementation does."""
+    """Root-mean-square norm computed in fp32, as the reference implementation does, of the residual stream
+    after adding a block's output to it."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused_ops: ModuleType | None = None  # the CPU's compiled layer ops (fuse_cpu_layer_ops)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = hidden.dtype
-        hidden32 = hidden.float()
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norm of ``residual + hidden`` (of ``hidden`` without a residual) and that sum, the new residual."""
+        if self.fused_ops is not None:
+            residual_sum = hidden if residual is None else residual  # summed in place: the step owns both
+            added = hidden[:0] if residual is None else hidden
+            return self.fused_ops.add_rms_norm_(added, residual_sum, self.weight, self.eps), residual_sum
+        residual_sum = hidden if residual is None else residual + hidden
+        dtype = residual_sum.dtype
+        hidden32 = residual_sum.float()
         variance = hidden32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (hidden32 * torch.rsqrt(variance + self.eps)).to(dtype)
+        return self.weight * (hidden32 * torch.rsqrt(variance + self.eps)).to(dtype), residual_sum
 
 
 class LlamaAttention(nn.Module):
@@ -43,6 +53,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
+        self.fused_ops: ModuleType | None = None  # the CPU's compiled layer ops (fuse_cpu_layer_ops)
 
     def forward(
         self, hidden: torch.Tensor, cos_sin: CosSin,
@@ -53,7 +64,10 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos_sin)
+        if self.fused_ops is not None:
+            self.fused_ops.rotary_(q, k, *cos_sin)
+        else:
+            q, k = apply_rotary(q, k, cos_sin)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -84,11 +98,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, cos_sin: CosSin,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's output and the residual stream before it is added (the next norm adds it, as vLLM's
+        layers do, so that a fused add + norm can run there)."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -117,9 +135,20 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` for the flattened batch."""
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary.table(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos_sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
+
+    def fuse_cpu_layer_ops(self, fused_ops: ModuleType) -> None:
+        """Run the norms (with the residual adds) and the rotary embedding through the CPU's compiled layer ops
+        (``kernels.cpu_extension``): fp32 only, and not token-exact with transformers (the norm sums in
+        another order)."""
+        if self.embed_tokens.weight.dtype != torch.float32 or self.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("the CPU's fused layer ops run fp32 models on the CPU only")
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaAttention):
+                module.fused_ops = fused_ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[rows, vocab]`` for the selected hidden states."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import latency, sharing, throughput
+from benchmarks import cpu_decode, latency, sharing, throughput
 
 
 def _argv(model_dir: Path, out: Path) -> list[str]:
@@ -75,3 +75,12 @@ def test_sharing_saves_blocks_for_samples_beams_and_prefixes(tiny_model_dir: Pat
         assert row["saving_percent"] == pytest.approx(100 * (1 - shared_fraction))
     prefix_rows = [row for row in payload["results"] if row["scenario"].startswith("shared prefix")]
     assert all(row["prefix_cache_hit_rate"] > 0 for row in prefix_rows)
+
+
+def test_cpu_decode_pairs_both_attention_backends_on_the_same_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cpu_decode.main(["--model", str(tiny_model_dir), "--rows", "3", "--contexts", "20", "--steps", "2",
+                     "--out", str(tmp_path)])
+    (result,) = _written(tmp_path, "cpu-decode")["results"]
+    assert (result["rows"], result["context"]) == (3, 20)
+    assert result["same_tokens"] is True
+    assert result["speedup"] == pytest.approx(result["torch_ms"] / result["cpu_ms"])

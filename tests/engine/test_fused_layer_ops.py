@@ -1,0 +1,95 @@
+"""The CPU's fused layer ops (rotary in place, residual add + RMS norm) compute what the plain torch layers do,
+and the engine uses them exactly where it should: the ``cpu`` backend, fp32, numerics other than ``exact``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM
+from engine.models.llama import RMSNorm
+from engine.models.rotary import apply_rotary
+from kernels.cpu_extension import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def fused_ops():  # type: ignore[no-untyped-def]
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
+    return kernels
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (13, 4, 2, 32), (40, 2, 1, 128)])
+def test_fused_rotary_equals_apply_rotary_on_views_of_the_qkv_rows(
+    fused_ops, tokens: int, heads: int, kv_heads: int, head_dim: int,  # type: ignore[no-untyped-def]
+) -> None:
+    torch.manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
+    expected_q, expected_k = apply_rotary(q, k, (cos, sin))
+    untouched = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    fused_ops.rotary_(q, k, cos, sin)
+    torch.testing.assert_close(q, expected_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, expected_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], untouched)  # the values' columns stay
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_fused_norm_equals_the_plain_norm_and_adds_the_residual_in_place(
+    fused_ops, rows: int, with_residual: bool,  # type: ignore[no-untyped-def]
+) -> None:
+    torch.manual_seed(1)
+    plain, fused = RMSNorm(576, 1e-5), RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+        fused.weight.copy_(plain.weight)
+    fused.fused_ops = fused_ops
+    hidden = torch.randn(rows, 576) * 3
+    residual = torch.randn(rows, 576) if with_residual else None
+    with torch.inference_mode():
+        expected, expected_sum = plain(hidden.clone(), None if residual is None else residual.clone())
+        owned = None if residual is None else residual.clone()
+        normed, summed = fused(hidden.clone() if residual is None else hidden, owned)
+    torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(summed, expected_sum, atol=1e-6, rtol=1e-6)
+    if owned is not None:
+        assert summed is owned  # the residual stream was summed in place
+
+
+def _fused(llm: LLM) -> bool:
+    norms = [m for m in llm.engine.model.modules() if isinstance(m, RMSNorm)]
+    flags = {m.fused_ops is not None for m in norms}
+    assert len(flags) == 1, "some norms fused and others not"
+    return flags.pop()
+
+
+@pytest.mark.parametrize(("kwargs", "fused"), [
+    ({}, True),  # the defaults: cpu backend, auto numerics
+    ({"cpu_weight_packing": "exact"}, False),  # token-exact with transformers: the plain layers
+    ({"attention_backend": "torch"}, False),  # the plain-torch backend compiles nothing
+    ({"dtype": "bfloat16"}, False),  # fp32 models only
+])
+def test_the_engine_fuses_layer_ops_only_where_they_hold(
+    tiny_model_dir: Path, kwargs: dict[str, str], fused: bool, fused_ops,  # type: ignore[no-untyped-def]
+) -> None:
+    llm = LLM(model=str(tiny_model_dir), **{"dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
+    assert _fused(llm) is fused
+
+
+def test_fused_and_plain_layers_give_the_same_greedy_text(tiny_model_dir: Path, fused_ops) -> None:  # type: ignore[no-untyped-def]
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["Hello, my name is", "The capital of France", "1 2 3 4"]
+    outputs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", attention_backend=backend)
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["cpu"] == outputs["torch"]
