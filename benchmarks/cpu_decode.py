@@ -33,9 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def start_decoding(llm: LLM, rows: int, context: int) -> None:
-    """``rows`` greedy requests of ``context`` prompt tokens, stepped until every one decodes."""
-    params = SamplingParams(max_tokens=1_000, temperature=0.0, ignore_eos=True)
+def start_decoding(llm: LLM, rows: int, context: int, steps: int) -> None:
+    """``rows`` greedy requests of ``context`` prompt tokens that outlast ``steps`` more steps, stepped until every
+    one decodes."""
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(rows):
         llm.engine.add_request(f"decode-{i}", [100 + (i + p) % 1000 for p in range(context)], params)
     while llm.stats().num_waiting or llm.stats().num_running < rows:
@@ -48,7 +49,7 @@ def measure(args: argparse.Namespace, rows: int, context: int) -> dict[str, Any]
     llms = {name: LLM(model=args.model, max_num_seqs=rows, kv_cache_memory="1GiB", attention_backend=name)
             for name in BACKENDS}
     for llm in llms.values():
-        start_decoding(llm, rows, context)
+        start_decoding(llm, rows, context, args.steps)
     best = dict.fromkeys(BACKENDS, float("inf"))
     tokens: dict[str, list[list[int]]] = {name: [] for name in BACKENDS}
     for _ in range(args.steps):
