@@ -69,13 +69,15 @@ def test_compiled_decode_matches_naive_attention(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_compiled_decode_reads_reduced_precision_caches(dtype: torch.dtype) -> None:
-    if has_amx_for(dtype):
-        pytest.skip(f"{dtype} multiplies in AMX tiles here: decode stays on torch's SDPA")
+def test_reduced_precision_caches_decode_compiled_unless_amx_multiplies_them(dtype: torch.dtype) -> None:
     torch.manual_seed(1)
     context_lens = [20, 45, 3]
     query, key_cache, value_cache, tables, lens = _case(context_lens, 16, 6, 2, 64, dtype)
-    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    plan = cpu_ops.plan_decode(query, key_cache, value_cache, tables, lens)
+    # where AMX tiles multiply the dtype, torch's fused SDPA is the faster path and the reference keeps it
+    expected_plan = reference.AttentionPlan if has_amx_for(dtype) else cpu_ops.CompiledDecodePlan
+    assert isinstance(plan, expected_plan)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, plan=plan)
     assert out.dtype == dtype
     expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
