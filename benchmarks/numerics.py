@@ -1,4 +1,4 @@
-"""Quality and speed of the engine's numerics: exact fp32, oneDNN-packed fp32, fp16 weights and int8.
+"""Quality and speed of the engine's numerics: exact fp32, oneDNN-packed fp32, fp16 weights, int8 and bf16.
 
 Quality: the mean change of the log-probability of each token of a fixed text (teacher forced, on
 transformers' model with our layers swapped in) and how many greedy tokens of the engine agree with
@@ -32,6 +32,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "fp32-packed": {"cpu_weight_packing": "onednn"},
     "fp16-weights": {"cpu_weight_packing": "fp16"},  # where fbgemm runs (AVX2, F16C, FMA)
     "int8": {"quantization": "int8", "cpu_weight_packing": "onednn"},
+    "bf16": {"dtype": "bfloat16"},  # auto's pick where bf16 is fast (AMX, AMD's AVX512-BF16): packed, fused layer ops
 }
 FIXED_TEXT = (
     "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades of salt and "
@@ -58,7 +59,9 @@ def hf_variant(folder: Path, variant: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    if variant == "int8":
+    if variant == "bf16":
+        model = model.to(torch.bfloat16)  # transformers' own bf16 layers: the dtype's cost, not our kernels'
+    elif variant == "int8":
         quantize_linear_layers(model.model)  # the decoder; a tied head stays full precision, as in the engine
     elif variant == "fp32-packed":
         pack_linear_layers(model)  # type: ignore[arg-type]
@@ -113,7 +116,8 @@ def paired_min_s(runs: dict[str, Callable[[], object]], repeats: int) -> dict[st
 def linear_layers_run(llm: LLM, rows: int) -> Callable[[], None]:
     """One pass of ``rows`` random token rows through every linear layer of the engine's model."""
     layers = [m for m in llm.engine.model.modules() if hasattr(m, "in_features") and not list(m.children())]
-    inputs = [torch.randn(rows, layer.in_features) for layer in layers]
+    dtype = llm.engine.model.embed_tokens.weight.dtype
+    inputs = [torch.randn(rows, layer.in_features, dtype=dtype) for layer in layers]
 
     def run() -> None:
         with torch.inference_mode():
@@ -185,8 +189,8 @@ def main() -> None:
     folder = resolve_model(args.model)
     print(f"machine: {machine()}", flush=True)
     variants = {name: kwargs for name, kwargs in VARIANTS.items() if name != "fp16-weights" or has_fbgemm_fp16()}
-    llms = {name: LLM(model=str(folder), dtype="float32", kv_cache_memory="256MiB", max_num_seqs=max(args.rows),
-                      **kwargs) for name, kwargs in variants.items()}
+    base = {"dtype": "float32", "kv_cache_memory": "256MiB", "max_num_seqs": max(args.rows)}
+    llms = {name: LLM(model=str(folder), **{**base, **kwargs}) for name, kwargs in variants.items()}
     if not args.speed_only:
         print_quality(folder, llms, args.max_tokens)
     for rows in args.rows:

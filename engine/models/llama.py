@@ -14,6 +14,7 @@ from engine.models.rotary import RotaryEmbedding, apply_rotary
 from kernels.backend import KernelBackend
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})  # what kernels/csrc/layer_ops_cpu.cpp takes
 
 
 class RMSNorm(nn.Module):
@@ -127,6 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, attn.head_dim)
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
+        self.fused_ops: ModuleType | None = None  # the CPU's compiled layer ops (fuse_cpu_layer_ops)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -134,7 +136,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` for the flattened batch."""
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.table(positions, hidden.dtype)
+        # the fused rotary reads fp32 cos/sin whatever the model's dtype, and rounds each result once
+        cos_sin = self.rotary.table(positions, hidden.dtype if self.fused_ops is None else torch.float32)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
@@ -142,10 +145,13 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_cpu_layer_ops(self, fused_ops: ModuleType) -> None:
         """Run the norms (with the residual adds) and the rotary embedding through the CPU's compiled layer ops
-        (``kernels.cpu_extension``): fp32 only, and not token-exact with transformers (the norm sums in
-        another order)."""
-        if self.embed_tokens.weight.dtype != torch.float32 or self.embed_tokens.weight.device.type != "cpu":
-            raise ValueError("the CPU's fused layer ops run fp32 models on the CPU only")
+        (``kernels.cpu_extension``): fp32, bf16 or fp16 models on the CPU, not token-exact with transformers
+        (the norm sums in another order, and reduced precision rounds once per result instead of per op)."""
+        weight = self.embed_tokens.weight
+        if weight.dtype not in FUSED_DTYPES or weight.device.type != "cpu":
+            raise ValueError(f"the CPU's fused layer ops run {sorted(map(str, FUSED_DTYPES))} models on the CPU "
+                             f"only, not {weight.dtype} on {weight.device}")
+        self.fused_ops = fused_ops
         for module in self.modules():
             if isinstance(module, RMSNorm | LlamaAttention):
                 module.fused_ops = fused_ops

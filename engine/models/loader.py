@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from engine.models.cpu_packing import pack_linear_layers, packed_layer_type
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import FUSED_DTYPES, LlamaForCausalLM
 from engine.models.quantization import quantize_linear_layers
 from kernels import cpu_ops
 from kernels.backend import KernelBackend
@@ -62,8 +62,8 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Instantiate the model on ``device`` in ``dtype`` with the folder's weights; linear layers are
     quantized as ``quantization`` says (``EngineConfig.quantization``) and the others prepacked as
-    ``weight_packing`` (``EngineConfig.cpu_weight_packing``) says. With the ``cpu`` kernel backend an fp32
-    model's norms and rotary embedding run fused too, unless ``weight_packing`` asks for exact numerics."""
+    ``weight_packing`` (``EngineConfig.cpu_weight_packing``) says. With the ``cpu`` kernel backend the model's
+    norms and rotary embedding run fused too, unless ``weight_packing`` asks for exact numerics."""
     config = load_config(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops)
@@ -83,7 +83,7 @@ def load_model(
     layer_type = packed_layer_type(dtype, device, weight_packing)
     if layer_type is not None:
         pack_linear_layers(model, layer_type)
-    if ops is cpu_ops and dtype == torch.float32 and weight_packing != "exact" and (kernels := cpu_kernels()):
+    if ops is cpu_ops and dtype in FUSED_DTYPES and weight_packing != "exact" and (kernels := cpu_kernels()):
         model.fuse_cpu_layer_ops(kernels)
     return model
 

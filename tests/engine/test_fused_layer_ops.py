@@ -1,5 +1,5 @@
 """The CPU's fused layer ops (rotary in place, residual add + RMS norm) compute what the plain torch layers do,
-and the engine uses them exactly where it should: the ``cpu`` backend, fp32, numerics other than ``exact``."""
+and the engine uses them exactly where it should: the ``cpu`` backend, numerics other than ``exact``."""
 
 from __future__ import annotations
 
@@ -21,44 +21,65 @@ def fused_ops():  # type: ignore[no-untyped-def]
     return kernels
 
 
+# a reduced-precision result is the fp32 one rounded once: within one unit in its last place (fp32 sums in
+# another order can tip a rounding to the other side)
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+DTYPES = list(TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim"), [(1, 9, 3, 64), (13, 4, 2, 32), (40, 2, 1, 128)])
 def test_fused_rotary_equals_apply_rotary_on_views_of_the_qkv_rows(
-    fused_ops, tokens: int, heads: int, kv_heads: int, head_dim: int,  # type: ignore[no-untyped-def]
+    fused_ops, tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,  # type: ignore[no-untyped-def]
 ) -> None:
     torch.manual_seed(0)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
     angles = torch.rand(tokens, head_dim // 2) * 6.28
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
-    expected_q, expected_k = apply_rotary(q, k, (cos, sin))
+    expected_q, expected_k = apply_rotary(q.float(), k.float(), (cos, sin))  # in fp32, then rounded once
     untouched = qkv[:, (heads + kv_heads) * head_dim:].clone()
     fused_ops.rotary_(q, k, cos, sin)
-    torch.testing.assert_close(q, expected_q, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(k, expected_k, atol=1e-6, rtol=1e-6)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(q, expected_q.to(dtype), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(k, expected_k.to(dtype), atol=tolerance, rtol=tolerance)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], untouched)  # the values' columns stay
 
 
+def test_fused_ops_refuse_mixed_dtypes(fused_ops) -> None:  # type: ignore[no-untyped-def]
+    q, k = torch.randn(2, 2, 8, dtype=torch.bfloat16), torch.randn(2, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cos/sin must be fp32"):
+        fused_ops.rotary_(q, k, torch.ones(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        fused_ops.add_rms_norm_(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_fused_norm_equals_the_plain_norm_and_adds_the_residual_in_place(
-    fused_ops, rows: int, with_residual: bool,  # type: ignore[no-untyped-def]
+    fused_ops, rows: int, with_residual: bool, dtype: torch.dtype,  # type: ignore[no-untyped-def]
 ) -> None:
     torch.manual_seed(1)
-    plain, fused = RMSNorm(576, 1e-5), RMSNorm(576, 1e-5)
+    plain, fused = RMSNorm(576, 1e-5), RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
         plain.weight.uniform_(0.5, 1.5)
+        plain.weight.copy_(plain.weight.to(dtype))  # the same weights in both
         fused.weight.copy_(plain.weight)
     fused.fused_ops = fused_ops
-    hidden = torch.randn(rows, 576) * 3
-    residual = torch.randn(rows, 576) if with_residual else None
-    with torch.inference_mode():
-        expected, expected_sum = plain(hidden.clone(), None if residual is None else residual.clone())
+    hidden = (torch.randn(rows, 576) * 3).to(dtype)
+    residual = torch.randn(rows, 576).to(dtype) if with_residual else None
+    with torch.inference_mode():  # the plain norm in fp32 from the rounded sum, rounded once: what fused computes
+        expected_sum = hidden.float() if residual is None else (residual + hidden).float()
+        expected, _ = plain(expected_sum.clone())
         owned = None if residual is None else residual.clone()
         normed, summed = fused(hidden.clone() if residual is None else hidden, owned)
-    torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(summed, expected_sum, atol=1e-6, rtol=1e-6)
+    tolerance = max(TOLERANCE[dtype], 1e-5)
+    assert normed.dtype == summed.dtype == dtype
+    torch.testing.assert_close(normed, expected.to(dtype), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(summed, expected_sum.to(dtype), atol=1e-6, rtol=1e-6)
     if owned is not None:
         assert summed is owned  # the residual stream was summed in place
 
@@ -74,7 +95,8 @@ def _fused(llm: LLM) -> bool:
     ({}, True),  # the defaults: cpu backend, auto numerics
     ({"cpu_weight_packing": "exact"}, False),  # token-exact with transformers: the plain layers
     ({"attention_backend": "torch"}, False),  # the plain-torch backend compiles nothing
-    ({"dtype": "bfloat16"}, False),  # fp32 models only
+    ({"dtype": "bfloat16"}, True),  # bf16 rows too
+    ({"dtype": "bfloat16", "cpu_weight_packing": "exact"}, False),
 ])
 def test_the_engine_fuses_layer_ops_only_where_they_hold(
     tiny_model_dir: Path, kwargs: dict[str, str], fused: bool, fused_ops,  # type: ignore[no-untyped-def]

@@ -84,7 +84,9 @@ def smollm2_exact_greedy(smollm2_dir: Path) -> list[list[int]]:
     ("variant", "max_mean_drop", "max_mean_abs", "min_agreement"),
     [("fp32-packed", 1e-4, 1e-3, 0.9), pytest.param("fp16-weights", 1e-3, 5e-3, 0.9, marks=[
         pytest.mark.fbgemm_fp16, pytest.mark.skipif(not has_fbgemm_fp16(), reason="needs fbgemm's fp16 GEMM")]),
-     ("int8", 0.1, 0.35, 0.15)],
+     ("int8", 0.1, 0.35, 0.15),
+     # bf16 (auto's pick on CPUs with fast bf16): measured +0.0013 mean, 0.038 mean |.|, agreement 0.65 on an EPYC
+     ("bf16", 0.01, 0.06, 0.5)],
 )
 def test_smollm2_quality_stays_within_bounds(
     smollm2_dir: Path, smollm2_exact_greedy: list[list[int]], variant: str,
@@ -92,6 +94,6 @@ def test_smollm2_quality_stays_within_bounds(
 ) -> None:
     mean, mean_abs = numerics.logprob_change(smollm2_dir, variant)
     assert mean > -max_mean_drop and mean_abs < max_mean_abs
-    llm = LLM(model=str(smollm2_dir), dtype="float32", kv_cache_memory="64MiB", **numerics.VARIANTS[variant])
+    llm = LLM(model=str(smollm2_dir), **{"dtype": "float32", "kv_cache_memory": "64MiB", **numerics.VARIANTS[variant]})
     agreement = numerics.agreement(numerics.greedy_tokens(llm, numerics.PROMPTS, 24), smollm2_exact_greedy)
     assert agreement >= min_agreement
