@@ -53,18 +53,21 @@ def test_the_cpu_kernels_build_here() -> None:
     [([1, 2, 17, 160], 16, 9, 3, 64),  # SmolLM2's heads, a context of one token, partial blocks
      ([33, 5], 1, 4, 4, 32),  # one token per block, no grouping
      ([70, 3, 40, 66, 17, 9, 1], 8, 8, 2, 128),  # group of 4, head_dim 128, more sequences than threads
-     ([12, 31], 4, 6, 1, 40)],  # one KV head for all, a head_dim that is no multiple of the vector width
+     ([12, 31], 4, 6, 1, 40),  # one KV head for all, five vectors of 8 per head
+     ([8, 16, 23], 16, 2, 1, 36),  # a head_dim that is no multiple of the vector width (4 values left over)
+     ([5, 130], 16, 4, 2, 80)],  # ten vectors per head: a run of eight, then two
 )
+@pytest.mark.parametrize("scale", [0.125, 4.0])  # 4.0: scores far apart, most weights e^-87 or less
 def test_compiled_decode_matches_naive_attention(
-    context_lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int,
+    context_lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, scale: float,
 ) -> None:
     torch.manual_seed(0)
     query, key_cache, value_cache, tables, lens = _case(context_lens, block_size, heads, kv_heads, dim)
     plan = cpu_ops.plan_decode(query, key_cache, value_cache, tables, lens,
                                host=HostTables(tables.tolist(), context_lens))
     assert isinstance(plan, cpu_ops.CompiledDecodePlan)
-    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, plan=plan)
-    expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, scale, plan=plan)
+    expected = naive_decode(query, key_cache, value_cache, tables, context_lens, scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
