@@ -30,8 +30,8 @@ inline Vec load(const float* from, int64_t count = kLanes) {
 }
 
 // lane i of the result is the sum of the lanes of v[i]: pairs interleaved and added three times over
-// (unpack floats, unpack float pairs, swap 128-bit halves)
-// (constant masks, so that each shuffle is one instruction)
+// (unpack floats, unpack float pairs, swap 128-bit halves); the masks are constants, so that each shuffle is
+// one instruction
 inline Vec transpose_sum(const Vec (&v)[kLanes]) {
   Vec w[4], x[2];
   for (int i = 0; i < 4; ++i) {
@@ -46,18 +46,20 @@ inline Vec transpose_sum(const Vec (&v)[kLanes]) {
          __builtin_shuffle(x[0], x[1], (Mask){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-// the kLanes vectors of partial sums q . k for the rows of ``count`` positions (the rest stay 0)
-template <int64_t count>
-inline void partial_scores(const float* qh, const float* const (&rows)[kLanes], int64_t offset, int64_t full_chunks,
-                           int64_t tail, Vec (&partial)[kLanes]) {
+// the scores q . k of the kLanes rows, side by side: one vector of partial sums per row (held in registers),
+// then one transpose_sum
+inline Vec scores_of_rows(const float* qh, const float* const (&rows)[kLanes], int64_t offset, int64_t full_chunks,
+                          int64_t tail) {
+  Vec partial[kLanes] = {};
   for (int64_t c = 0; c < full_chunks; ++c) {
     const Vec qc = load(qh + c * kLanes);
-    for (int64_t i = 0; i < count; ++i) partial[i] += qc * load(rows[i] + offset + c * kLanes);
+    for (int64_t i = 0; i < kLanes; ++i) partial[i] += qc * load(rows[i] + offset + c * kLanes);
   }
   if (tail) {
     const Vec qc = load(qh + full_chunks * kLanes, tail);
-    for (int64_t i = 0; i < count; ++i) partial[i] += qc * load(rows[i] + offset + full_chunks * kLanes, tail);
+    for (int64_t i = 0; i < kLanes; ++i) partial[i] += qc * load(rows[i] + offset + full_chunks * kLanes, tail);
   }
+  return transpose_sum(partial);
 }
 
 inline void store(float* to, const Vec& v) { std::memcpy(to, &v, sizeof v); }
@@ -117,7 +119,8 @@ inline float exp_nonpositive(float x) {
 }
 
 // the K or V rows of ``count`` consecutive positions from ``first`` as fp32: pointers into the cache for an
-// fp32 cache, else rows converted into ``scratch`` [kLanes, row]
+// fp32 cache, else rows converted into ``scratch`` [kLanes, row]. Past ``count`` (the context's last chunk),
+// rows repeat the first one, so that every chunk is scored as a whole and only ``count`` scores are kept.
 template <typename scalar_t>
 void rows_as_float(const scalar_t* cache, const int32_t* table, int64_t first, int64_t count, int64_t block_size,
                    int64_t block_stride, int64_t row, float* scratch, const float* (&rows)[kLanes]) {
@@ -133,6 +136,7 @@ void rows_as_float(const scalar_t* cache, const int32_t* table, int64_t first, i
       rows[i] = dst;
     }
   }
+  std::fill(rows + count, rows + kLanes, rows[0]);
 }
 
 template <typename scalar_t>
@@ -146,7 +150,8 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
   const int64_t full_chunks = head_dim / kLanes, tail = head_dim % kLanes;
   // one sequence per task: its blocks are read whole, every KV head of a token row at once
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(num_heads * head_dim), acc(num_heads * head_dim), scores, scratch(kLanes * row);
+    std::vector<float> q(num_heads * head_dim), acc(num_heads * head_dim), scores, scratch(kLanes * row),
+        inverse_totals(num_heads);
     const float* rows[kLanes];
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t length = context_lens[seq];
@@ -158,24 +163,10 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
         const int64_t count = std::min(kLanes, length - first);
         rows_as_float(key_cache, table, first, count, block_size, block_stride, row, scratch.data(), rows);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float* qh = q.data() + h * head_dim;
-          const int64_t offset = (h / group) * head_dim;
-          Vec partial[kLanes] = {};
-          if (count == kLanes) {  // a fixed count keeps the partial sums in registers
-            partial_scores<kLanes>(qh, rows, offset, full_chunks, tail, partial);
-          } else {
-            for (int64_t i = 0; i < count; ++i) {  // the context's last few positions, one at a time
-              const float* const one[kLanes] = {rows[i]};
-              Vec single[kLanes] = {};
-              partial_scores<1>(qh, one, offset, full_chunks, tail, single);
-              partial[i] = single[0];
-            }
-          }
-          const Vec sums = transpose_sum(partial);
+          const Vec sums = scores_of_rows(q.data() + h * head_dim, rows, (h / group) * head_dim, full_chunks, tail);
           std::memcpy(scores.data() + h * length + first, &sums, count * sizeof(float));
         }
       }
-      std::vector<float> inverse_totals(num_heads);
       for (int64_t h = 0; h < num_heads; ++h) {
         float* head_scores = scores.data() + h * length;
         const float top = *std::max_element(head_scores, head_scores + length);
