@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from core import streams
 from core.settings import Settings
@@ -92,7 +94,9 @@ def _released(job: FollowedJob) -> bool:
 
 
 def _unreachable_redis() -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)  # nothing listens on port 1
+    # Nothing listens on port 1. No retries: redis-py's default (10, backing off up to 1 s each) makes one failed
+    # call take 3-5 s, as long as the 5 s the tests wait for a thread's release.
+    return redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
 
 
 def test_a_set_cancel_flag_aborts_exactly_its_job_and_releases_only_its_thread(jobs: Jobs) -> None:
