@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
 from benchmarks import guidellm_client, serve_offline, serve_report
@@ -41,6 +42,11 @@ SYSTEMS = ("pagedserve", "llama.cpp", serve_offline.SYSTEM)
 SLOT_SLACK_TOKENS = 64
 STARTUP_TIMEOUT_S = 900.0  # the first start converts the model's weights
 API_KEY_LINE = re.compile(r"development API key: (\S+)")
+# The worker's engine-step counters, read before and after each run: how much of the client's window the engine
+# spent stepping, and how full its steps were (a service that loses against the offline engine shows it here).
+ENGINE_COUNTERS = {"engine_busy_s": "pagedserve_step_duration_seconds_sum",
+                   "engine_steps": "pagedserve_step_duration_seconds_count",
+                   "engine_rows": "pagedserve_batch_size_sum"}
 T = TypeVar("T")
 
 
@@ -105,14 +111,33 @@ def _poll(ready: Callable[[], T | None], process: subprocess.Popen[bytes], what:
     raise RuntimeError(f"timed out after {STARTUP_TIMEOUT_S:.0f} s waiting for {what}")
 
 
+def engine_counters(metrics_url: str) -> dict[str, float]:
+    """The worker's ENGINE_COUNTERS now, from its Prometheus endpoint."""
+    wanted = {sample: name for name, sample in ENGINE_COUNTERS.items()}
+    values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10.0).text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[wanted[sample.name]] += sample.value
+    return values
+
+
+def engine_share(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, Any]:
+    """What the engine did during a run of ``duration_s``: time stepping (and its share), steps, rows per step."""
+    delta = {name: after[name] - before[name] for name in ENGINE_COUNTERS}
+    steps = int(delta["engine_steps"])
+    return {"engine_busy_s": delta["engine_busy_s"], "engine_busy_share": delta["engine_busy_s"] / duration_s,
+            "engine_steps": steps, "engine_rows_per_step": delta["engine_rows"] / steps if steps else 0.0}
+
+
 @contextmanager
-def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterator[Target]:
-    """`pagedserve up` on a free port, a fresh data directory and its own embedded Redis, yielded once its
-    worker has answered a warm-up request; stopped afterwards."""
-    port = llama_cpp.free_port()
+def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterator[tuple[Target, str]]:
+    """`pagedserve up` on a free port, a fresh data directory and its own embedded Redis, yielded with its worker's
+    metrics URL once the worker has answered a warm-up request; stopped afterwards."""
+    port, metrics_port = llama_cpp.free_port(), llama_cpp.free_port()
     command = [sys.executable, "-m", "cli.main", "up", "--model", model, "--port", str(port),
                "--data-dir", str(work_dir / "data"), "--redis-url", f"redis://127.0.0.1:{llama_cpp.free_port()}/0",
-               *extra_flags]
+               "--metrics-port", str(metrics_port), *extra_flags]
     log_path = work_dir / "pagedserve-up.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -124,7 +149,7 @@ def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterato
         _poll(lambda: httpx.post(f"{target.base_url}/v1/completions", json=warm_up, timeout=STARTUP_TIMEOUT_S,
                                  headers={"Authorization": f"Bearer {api_key}"}).raise_for_status(),
               process, "a warm-up completion")
-        yield target
+        yield target, f"http://127.0.0.1:{metrics_port}/metrics"
     except (RuntimeError, httpx.HTTPError) as error:
         tail = "\n".join(log_path.read_text().splitlines()[-15:])
         raise RuntimeError(f"{error}\npagedserve up's last lines:\n{tail}") from error
@@ -154,16 +179,20 @@ class Results:
         self.progress.update(1)
         self.write()
 
-    def run_cells(self, target: Target, system: str, config: str) -> None:
-        """One guidellm run per mode and concurrency against ``target``; a failed run is a row with its error."""
+    def run_cells(self, target: Target, system: str, config: str, metrics_url: str | None = None) -> None:
+        """One guidellm run per mode and concurrency against ``target``; a failed run is a row with its error.
+        With ``metrics_url`` (pagedserve's worker), each row also gets what the engine did meanwhile."""
         for mode in self.args.modes:
             for concurrency in self.args.concurrency:
                 row: dict[str, Any] = {"system": system, "config": config, "mode": mode, "concurrency": concurrency}
                 self.progress.set_description(f"{system} {config} {mode} x{concurrency}")
                 try:
+                    before = engine_counters(metrics_url) if metrics_url else None
                     row |= guidellm_client.run(target, self.tokenizer_dir, workload(self.args), MODES[mode],
                                                concurrency, self.args.client_processes, self.work_dir)
-                except RuntimeError as error:
+                    if metrics_url and before is not None:
+                        row |= engine_share(before, engine_counters(metrics_url), row["duration_s"])
+                except (RuntimeError, httpx.HTTPError) as error:
                     row["error"] = str(error)
                 self.add(row)
 
@@ -188,8 +217,8 @@ def measure_pagedserve(results: Results) -> None:
     args = results.args
     config = args.pagedserve_flags or "defaults"
     try:
-        with pagedserve_up(args.model, shlex.split(args.pagedserve_flags), results.work_dir) as target:
-            results.run_cells(target, "pagedserve", config)
+        with pagedserve_up(args.model, shlex.split(args.pagedserve_flags), results.work_dir) as (target, metrics_url):
+            results.run_cells(target, "pagedserve", config, metrics_url)
     except RuntimeError as error:
         results.add({"system": "pagedserve", "config": config, "error": str(error)})
 

@@ -35,6 +35,11 @@ def test_guidellm_measures_pagedserve_up_streaming_and_not(tiny_model_dir: Path,
         assert row["output_tokens_per_s"] > 0
     for row in payload["rows"][:2]:
         assert 0 < row["latency_ms_p50"] <= row["latency_ms_p99"]
+        # the worker's step counters over the run: every token came from a step of 1 or 2 rows (2 in flight)
+        assert OUTPUT_TOKENS <= row["engine_steps"] <= NUM_REQUESTS * OUTPUT_TOKENS
+        assert 1.0 <= row["engine_rows_per_step"] <= 2.0
+        assert 0 < row["engine_busy_s"] <= row["duration_s"] and row["engine_busy_share"] == pytest.approx(
+            row["engine_busy_s"] / row["duration_s"])
     streaming, offline = payload["rows"][1:]
     assert offline["config"] == "engine, max_num_seqs=2"
     assert 0 < streaming["ttft_ms_p50"] <= streaming["ttft_ms_p99"] and streaming["itl_ms_p50"] > 0
