@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
 from engine.beam_search import beam_step
-from engine.sampler import SamplingRow, sample
+from engine.sampler import SCAN_BLOCK, SamplingRow, sample
 from engine.sampling_params import MIN_SAMPLING_TEMPERATURE
 from engine.sequence import Sequence
 
@@ -29,6 +30,31 @@ def test_random_sampling_follows_the_softmax_and_skips_zero_probability_tokens()
     assert counts[[0, 2, 5]].sum() == 0
     # binomial standard deviation at n=4000 is at most 32 counts: 4 sigma
     assert torch.all((counts - 4000 * probs).abs() < 130), counts
+
+
+def test_a_vocabulary_of_many_blocks_samples_its_probabilities_across_blocks() -> None:
+    # the search runs on block sums, then inside a block: mass in the tail block, in the last entry of a block,
+    # in the first of the next, and whole blocks of zero probability between them
+    vocab = 3 * SCAN_BLOCK + 7
+    chosen = {0: 0.1, SCAN_BLOCK - 1: 0.2, SCAN_BLOCK: 0.3, 3 * SCAN_BLOCK + 6: 0.4}
+    probs = torch.zeros(vocab)
+    probs[list(chosen)] = torch.tensor(list(chosen.values()))
+    logits = probs.log().expand(4000, -1).contiguous()
+    tokens = torch.tensor([r.token_id for r in sample(logits, rows(4000, seed=7, temperature=1.0))])
+    counts = torch.bincount(tokens, minlength=vocab).float()
+    assert counts.sum() == counts[list(chosen)].sum() == 4000
+    assert torch.all((counts - 4000 * probs).abs() < 130), counts[list(chosen)]
+
+
+@pytest.mark.parametrize("vocab", [5, SCAN_BLOCK, SCAN_BLOCK + 1, 3 * SCAN_BLOCK - 1])
+def test_greedy_takes_the_first_of_tied_maxima_whatever_the_blocks(vocab: int) -> None:
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
+    ties = [vocab - 1, vocab // 2, 1]  # row 0 ties across the last block; row 1 in one block
+    logits[0, ties] = logits[1, ties[1:]] = 100.0
+    logits[2, vocab - 1] = 100.0  # the very last entry
+    logits[3] = float("-inf")  # nothing to take: token 0, as torch's max gives
+    tokens = [r.token_id for r in sample(logits, rows(4, seed=0, temperature=0.0))]
+    assert tokens == [1, 1, vocab - 1, 0] == logits.max(dim=-1).indices.tolist()
 
 
 def test_top_k_and_top_p_sampling_stays_inside_the_kept_set() -> None:
