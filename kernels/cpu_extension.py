@@ -1,6 +1,6 @@
 """The CPU's compiled kernels (``kernels/csrc/``), built once per machine by torch's C++ extension tooling.
 
-No maintained library ships a paged decode attention, or fused norms and rotary embedding, for torch's CPU
+No maintained library ships a paged decode attention, or fused norms, rotary embedding and SiLU, for torch's CPU
 build (vLLM's and IPEX's are tied to their own builds and torch versions; torch's own ``rms_norm`` is
 composed of the same five ops on the CPU), so these are ours: a few dozen lines of C++ that torch compiles
 with the machine's compiler into its extension cache (``TORCH_EXTENSIONS_DIR``) on first use, and that
@@ -19,8 +19,10 @@ from kernels.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
-FUNCTIONS = ["paged_decode", "rotary_", "add_rms_norm_"]
+# one translation unit, in this order: simd_math_cpu.cpp's exponential and conversions serve both files after it
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
+FUNCTIONS = ["paged_decode", "rotary_", "add_rms_norm_", "silu_and_mul"]
 
 
 def extension_name() -> str:

@@ -82,8 +82,11 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.fused_ops: ModuleType | None = None  # the CPU's compiled layer ops (fuse_cpu_layer_ops)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fused_ops is not None:
+            return self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(hidden)))
         gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -144,8 +147,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def fuse_cpu_layer_ops(self, fused_ops: ModuleType) -> None:
-        """Run the norms (with the residual adds) and the rotary embedding through the CPU's compiled layer ops
-        (``kernels.cpu_extension``): fp32, bf16 or fp16 models on the CPU, not token-exact with transformers
+        """Run the norms (with the residual adds), the rotary embedding and the MLP's SiLU through the CPU's compiled
+        layer ops (``kernels.cpu_extension``): fp32, bf16 or fp16 models on the CPU, not token-exact with transformers
         (the norm sums in another order, and reduced precision rounds once per result instead of per op)."""
         weight = self.embed_tokens.weight
         if weight.dtype not in FUSED_DTYPES or weight.device.type != "cpu":
@@ -153,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
                              f"only, not {weight.dtype} on {weight.device}")
         self.fused_ops = fused_ops
         for module in self.modules():
-            if isinstance(module, RMSNorm | LlamaAttention):
+            if isinstance(module, RMSNorm | LlamaAttention | LlamaMLP):
                 module.fused_ops = fused_ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 // The decoder layer's small element-wise steps fused on the CPU, where each torch op over a decode step's
-// few rows costs more in dispatch than in arithmetic: rotary embedding of query and key in place, and the
-// residual add fused with the RMS norm after it. fp32, bf16 or fp16 rows, math in fp32; one token row per
-// task. A reduced-precision row is rounded once per result (the plain layers round after every op).
+// few rows costs more in dispatch than in arithmetic: rotary embedding of query and key in place, the
+// residual add fused with the RMS norm after it, and the MLP's SiLU(gate) * up. fp32, bf16 or fp16 rows, math
+// in fp32; one token row per task. A reduced-precision row is rounded once per result (the plain layers round
+// after every op).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -48,6 +49,17 @@ void add_rms_norm_rows(const scalar_t* add, scalar_t* rows, const scalar_t* w, s
   });
 }
 
+// a token's SiLU(gate) * up: sigmoid(g) from e^-|g| (never overflows), 1 / (1 + e) for g >= 0, e / (1 + e) below
+template <typename scalar_t>
+void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t size) {
+#pragma omp simd
+  for (int64_t i = 0; i < size; ++i) {
+    const float g = to_float(gate[i]);
+    const float e = exp_nonpositive(-std::fabs(g));
+    dst[i] = from_float<scalar_t>(g * ((g >= 0.f ? 1.f : e) / (1.f + e)) * to_float(up[i]));
+  }
+}
+
 }  // namespace
 
 // query [T, H, D] and key [T, KV, D] (views of the qkv rows: heads contiguous, rows at any stride, one dtype)
@@ -80,6 +92,25 @@ torch::Tensor add_rms_norm_(torch::Tensor delta, torch::Tensor residual, torch::
     add_rms_norm_rows<scalar_t>(delta.numel() ? delta.data_ptr<scalar_t>() : nullptr, residual.data_ptr<scalar_t>(),
                                 weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), residual.size(0),
                                 residual.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// gate_up [T, 2 * I] (each row the gate's I columns then the up's; rows at any stride) -> SiLU(gate) * up [T, I]
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
+              "silu_and_mul: gate_up must be [tokens, 2 * intermediate] with contiguous rows");
+  const int64_t size = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), size}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* src = gate_up.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, gate_up.size(0), 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        silu_mul_row(src + t * stride, src + t * stride + size, dst + t * size, size);
+      }
+    });
   });
   return out;
 }

@@ -7,7 +7,7 @@
 // per dot product), then one transpose-and-add of those kLanes vectors gives the kLanes scores side by
 // side. Written with GCC's vector extensions, so that one code path compiles to AVX2 or AVX-512 (8 lanes
 // are one AVX2 register, half of an AVX-512 one; Zen 4 runs 512-bit ops as two 256-bit halves anyway).
-// The softmax's exponential is a polynomial the compiler vectorizes (glibc's expf is a scalar call).
+// The softmax's exponential is simd_math_cpu.cpp's polynomial, which the compiler vectorizes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -100,22 +100,6 @@ void accumulate_head(float* out, const float* weights, const float* const (&rows
   for (d += (head_dim - d) / kLanes * kLanes; d < head_dim; ++d) {  // a head_dim that is no multiple of kLanes
     for (int64_t i = 0; i < count; ++i) out[d] += weights[i] * rows[i][d];
   }
-}
-
-// e^x for x <= 0 (a score minus its row's maximum) within a few ulp: 2^n * p(r), x = n ln2 + r (Cephes' expf)
-#pragma omp declare simd notinbranch
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);  // keeps 2^n a normal float; e^-87 is 0 next to the maximum's e^0
-  const int32_t n = static_cast<int32_t>(x * 1.44269504f - 0.5f);  // round to nearest (x <= 0)
-  const float r = x - static_cast<float>(n) * 0.693359375f + static_cast<float>(n) * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
-  return y * __builtin_bit_cast(float, (n + 127) << 23);
 }
 
 // the K or V rows of ``count`` consecutive positions from ``first`` as fp32: pointers into the cache for an

@@ -1,5 +1,6 @@
-"""The CPU's fused layer ops (rotary in place, residual add + RMS norm) compute what the plain torch layers do,
-and the engine uses them exactly where it should: the ``cpu`` backend, numerics other than ``exact``."""
+"""The CPU's fused layer ops (rotary in place, residual add + RMS norm, SiLU(gate) * up) compute what the plain
+torch layers do, and the engine uses them exactly where it should: the ``cpu`` backend, numerics other than
+``exact``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.models.llama import RMSNorm
+from engine.models.llama import LlamaMLP, RMSNorm
 from engine.models.rotary import apply_rotary
 from kernels.cpu_extension import cpu_kernels
 
@@ -84,10 +85,31 @@ def test_fused_norm_equals_the_plain_norm_and_adds_the_residual_in_place(
         assert summed is owned  # the residual stream was summed in place
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "size"), [(1, 1536), (7, 100), (33, 8)])
+def test_fused_silu_and_mul_equals_silu_of_the_gate_times_up(
+    fused_ops, rows: int, size: int, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+) -> None:
+    torch.manual_seed(2)
+    gate_up = (torch.randn(rows, 2 * size) * 6).to(dtype)  # gates far into both tails of the sigmoid
+    gate_up[0, :3] = torch.tensor([0.0, -100.0, 100.0])  # e^100 would overflow a naive sigmoid
+    gate, up = gate_up.float().split(size, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up).to(dtype)  # in fp32, then rounded once
+    tolerance = max(TOLERANCE[dtype], 1e-5)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), expected, atol=tolerance, rtol=tolerance)
+    rows_at_a_stride = torch.cat([gate_up, gate_up], dim=-1)[:, : 2 * size]  # the gate_up columns of wider rows
+    torch.testing.assert_close(fused_ops.silu_and_mul(rows_at_a_stride), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_fused_silu_and_mul_refuses_rows_it_cannot_split(fused_ops) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match=r"gate_up must be \[tokens, 2 \* intermediate\]"):
+        fused_ops.silu_and_mul(torch.randn(3, 7))
+
+
 def _fused(llm: LLM) -> bool:
-    norms = [m for m in llm.engine.model.modules() if isinstance(m, RMSNorm)]
-    flags = {m.fused_ops is not None for m in norms}
-    assert len(flags) == 1, "some norms fused and others not"
+    fusable = [m for m in llm.engine.model.modules() if isinstance(m, RMSNorm | LlamaMLP)]
+    flags = {m.fused_ops is not None for m in fusable}
+    assert len(flags) == 1, "some layers fused and others not"
     return flags.pop()
 
 

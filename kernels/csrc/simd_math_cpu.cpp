@@ -1,0 +1,52 @@
+// Element-wise math written so that GCC vectorizes the loops that call it (glibc's expf is a scalar call, and
+// c10's bf16 conversions copy through a struct), for the kernels that follow this file in the one translation
+// unit kernels/cpu_extension.py builds: the decode softmax and the SiLU.
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+// e^x for x <= 0 (a score minus its row's maximum; -|x| in a sigmoid) within a few ulp: 2^n * p(r),
+// x = n ln2 + r (Cephes' expf). n is rounded as a float: a float-to-int truncation keeps GCC from vectorizing.
+#pragma omp declare simd notinbranch
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);  // keeps 2^n a normal float; e^-87 is 0 next to the maximum's e^0
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  return y * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// a value as fp32: bf16 by its bits (the upper half of an fp32)
+template <typename scalar_t>
+inline float to_float(scalar_t x) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16);
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+// fp32 rounded to scalar_t: bf16 to nearest, ties to even, a NaN kept a NaN (c10's rounding, by bits)
+template <typename scalar_t>
+inline scalar_t from_float(float f) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return c10::BFloat16(std::isnan(f) ? uint16_t{0x7FC0} : rounded, c10::BFloat16::from_bits());
+  } else {
+    return static_cast<scalar_t>(f);
+  }
+}
+
+}  // namespace
