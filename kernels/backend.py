@@ -7,6 +7,7 @@ layer's plan goes back to the same backend's attention call in every layer (``At
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -50,3 +51,8 @@ class KernelBackend(Protocol):
                     block_mapping: torch.Tensor) -> None: ...
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None: ...
+
+    def fused_layer_ops(self) -> ModuleType | None:
+        """The compiled element-wise layer ops (residual add + RMS norm, rotary, SiLU * up; see
+        ``LlamaForCausalLM.fuse_cpu_layer_ops``) the model may run with this backend; ``None``: plain torch."""
+        ...

@@ -8,6 +8,7 @@ or the dtype multiplies in AMX tiles (torch's fused SDPA is fast there), decode 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -26,6 +27,7 @@ from kernels.reference import (
 
 __all__ = [
     "copy_blocks",
+    "fused_layer_ops",
     "paged_attention_decode",
     "paged_prefill_attention",
     "plan_decode",
@@ -34,6 +36,12 @@ __all__ = [
     "reshape_and_cache",
     "swap_blocks",
 ]
+
+
+def fused_layer_ops() -> ModuleType | None:
+    """The compiled module's norm, rotary and SiLU ops (it holds the decode kernel too); None where it cannot
+    be built."""
+    return cpu_kernels()
 
 
 @dataclass(frozen=True, slots=True)

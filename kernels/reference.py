@@ -9,6 +9,7 @@ is ``block * block_size + offset``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -313,6 +314,11 @@ def copy_blocks(
     dst = block_mapping[:, 1].to(torch.long)
     for cache in (*key_caches, *value_caches):
         cache.index_copy_(0, dst.to(cache.device), cache.index_select(0, src.to(cache.device)))
+
+
+def fused_layer_ops() -> ModuleType | None:
+    """None: the reference runs the model's plain torch layers (token-exact with transformers)."""
+    return None
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -5,13 +5,14 @@ CPU <-> GPU swaps are plain copies, so they stay in torch.
 
 from __future__ import annotations
 
-from kernels.reference import swap_blocks
+from kernels.reference import fused_layer_ops, swap_blocks
 from kernels.triton_cache import copy_blocks, reshape_and_cache
 from kernels.triton_decode import paged_attention_decode, plan_decode, plan_decode_static
 from kernels.triton_prefill import paged_prefill_attention, plan_prefill
 
 __all__ = [
     "copy_blocks",
+    "fused_layer_ops",
     "paged_attention_decode",
     "paged_prefill_attention",
     "plan_decode",

@@ -12,9 +12,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from engine.models.cpu_packing import pack_linear_layers, packed_layer_type
 from engine.models.llama import FUSED_DTYPES, LlamaForCausalLM
 from engine.models.quantization import quantize_linear_layers
-from kernels import cpu_ops
 from kernels.backend import KernelBackend
-from kernels.cpu_extension import cpu_kernels
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 # fused parameter -> the checkpoint's separate projections, concatenated along the output dim
@@ -63,7 +61,8 @@ def load_model(
     """Instantiate the model on ``device`` in ``dtype`` with the folder's weights; linear layers are
     quantized as ``quantization`` says (``EngineConfig.quantization``) and the others prepacked as
     ``weight_packing`` (``EngineConfig.cpu_weight_packing``) says. With the ``cpu`` kernel backend the model's
-    norms and rotary embedding run fused too, unless ``weight_packing`` asks for exact numerics."""
+    norms, rotary embedding and SiLU run fused too (the backend's ``fused_layer_ops``), unless ``weight_packing``
+    asks for exact numerics."""
     config = load_config(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops)
@@ -83,8 +82,8 @@ def load_model(
     layer_type = packed_layer_type(dtype, device, weight_packing)
     if layer_type is not None:
         pack_linear_layers(model, layer_type)
-    if ops is cpu_ops and dtype in FUSED_DTYPES and weight_packing != "exact" and (kernels := cpu_kernels()):
-        model.fuse_cpu_layer_ops(kernels)
+    if dtype in FUSED_DTYPES and weight_packing != "exact" and (layer_ops := ops.fused_layer_ops()) is not None:
+        model.fuse_cpu_layer_ops(layer_ops)
     return model
 
 

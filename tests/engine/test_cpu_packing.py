@@ -17,7 +17,7 @@ from benchmarks import numerics
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import cpu_packing, loader
-from kernels import cpu_features
+from kernels import cpu_features, reference
 
 CPU = torch.device("cpu")
 BF16_PACKS = cpu_packing.packed_layer_type(torch.bfloat16, CPU) is not None
@@ -49,7 +49,7 @@ def test_bf16_packing_applies_exactly_where_onednn_supports_bf16() -> None:
 # bf16 arithmetic is emulated on any CPU: the tests below run everywhere and expect packing only where
 # oneDNN's weight reorder (the one step that needs the instructions) is available.
 def test_bf16_loading_packs_every_linear_where_it_applies(tiny_model_dir: Path) -> None:
-    model = loader.load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu"), ops=None)  # type: ignore[arg-type]
+    model = loader.load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu"), ops=reference)
     packed = [isinstance(module, cpu_packing.PackedLinear) for module in model.modules()]
     unpacked = [isinstance(module, nn.Linear) for module in model.modules()]
     assert (any(packed), any(unpacked)) == (BF16_PACKS, not BF16_PACKS)
@@ -132,7 +132,7 @@ def test_fp16_weight_linear_computes_with_the_weights_rounded_to_fp16(shape: tup
 
 @needs_fbgemm_fp16
 def test_fp16_loading_packs_the_decoder_in_fp16_and_the_lm_head_both_ways(tiny_model_dir: Path) -> None:
-    model = loader.load_model(tiny_model_dir, torch.float32, CPU, ops=None, weight_packing="fp16")  # type: ignore[arg-type]
+    model = loader.load_model(tiny_model_dir, torch.float32, CPU, ops=reference, weight_packing="fp16")
     decoder = [module for module in model.layers.modules() if isinstance(module, cpu_packing.Fp16Linear)]
     assert len(decoder) == 4 * len(model.layers)  # fused qkv, o, fused gate_up, down
     assert isinstance(model.lm_head, cpu_packing.RowSplitHead)
