@@ -160,7 +160,8 @@ class EngineService:
             self._handles.clear()
             return
         self._report_step(time.perf_counter() - started_s, outputs)
-        self.peak_num_running = max(self.peak_num_running, self.engine.stats().num_running)
+        # not stats(): its cache usage walks every free block, on every step
+        self.peak_num_running = max(self.peak_num_running, self.engine.num_running_seqs())
         self._sink_tokens(outputs)
         for output in outputs:
             handle = self._handles.get(output.request_id)
