@@ -111,11 +111,17 @@ def _poll(ready: Callable[[], T | None], process: subprocess.Popen[bytes], what:
     raise RuntimeError(f"timed out after {STARTUP_TIMEOUT_S:.0f} s waiting for {what}")
 
 
-def engine_counters(metrics_url: str) -> dict[str, float]:
-    """The worker's ENGINE_COUNTERS now, from its Prometheus endpoint."""
+def engine_counters(metrics_url: str, row: dict[str, Any]) -> dict[str, float] | None:
+    """The worker's ENGINE_COUNTERS now, from its Prometheus endpoint; None (and the reason in ``row``) when it does
+    not answer: the run is measured all the same, without what the engine did."""
     wanted = {sample: name for name, sample in ENGINE_COUNTERS.items()}
     values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10.0).text):
+    try:
+        text = httpx.get(metrics_url, timeout=10.0).raise_for_status().text
+    except httpx.HTTPError as error:
+        row["engine_counters_error"] = f"{metrics_url}: {error!r}"
+        return None
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
                 values[wanted[sample.name]] += sample.value
@@ -126,7 +132,8 @@ def engine_share(before: dict[str, float], after: dict[str, float], duration_s: 
     """What the engine did during a run of ``duration_s``: time stepping (and its share), steps, rows per step."""
     delta = {name: after[name] - before[name] for name in ENGINE_COUNTERS}
     steps = int(delta["engine_steps"])
-    return {"engine_busy_s": delta["engine_busy_s"], "engine_busy_share": delta["engine_busy_s"] / duration_s,
+    return {"engine_busy_s": delta["engine_busy_s"],
+            "engine_busy_share": delta["engine_busy_s"] / duration_s if duration_s > 0 else 0.0,
             "engine_steps": steps, "engine_rows_per_step": delta["engine_rows"] / steps if steps else 0.0}
 
 
@@ -137,7 +144,7 @@ def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterato
     port, metrics_port = llama_cpp.free_port(), llama_cpp.free_port()
     command = [sys.executable, "-m", "cli.main", "up", "--model", model, "--port", str(port),
                "--data-dir", str(work_dir / "data"), "--redis-url", f"redis://127.0.0.1:{llama_cpp.free_port()}/0",
-               "--metrics-port", str(metrics_port), *extra_flags]
+               *extra_flags, "--metrics-port", str(metrics_port)]  # last: the counters are read from this port
     log_path = work_dir / "pagedserve-up.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -186,14 +193,15 @@ class Results:
             for concurrency in self.args.concurrency:
                 row: dict[str, Any] = {"system": system, "config": config, "mode": mode, "concurrency": concurrency}
                 self.progress.set_description(f"{system} {config} {mode} x{concurrency}")
+                before = engine_counters(metrics_url, row) if metrics_url else None
                 try:
-                    before = engine_counters(metrics_url) if metrics_url else None
                     row |= guidellm_client.run(target, self.tokenizer_dir, workload(self.args), MODES[mode],
                                                concurrency, self.args.client_processes, self.work_dir)
-                    if metrics_url and before is not None:
-                        row |= engine_share(before, engine_counters(metrics_url), row["duration_s"])
-                except (RuntimeError, httpx.HTTPError) as error:
+                except RuntimeError as error:
                     row["error"] = str(error)
+                after = engine_counters(metrics_url, row) if before is not None and metrics_url else None
+                if before is not None and after is not None and "error" not in row:
+                    row |= engine_share(before, after, row["duration_s"])
                 self.add(row)
 
     def write(self) -> dict[str, Any]:

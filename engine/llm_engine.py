@@ -167,8 +167,8 @@ class LLMEngine:
         """True while any request is waiting, running or swapped out."""
         return self.scheduler.has_unfinished()
 
-    def num_running_seqs(self) -> int:
-        """Sequences running now (``stats().num_running`` without the rest of the snapshot)."""
+    def num_running(self) -> int:
+        """Sequences running now: ``stats().num_running`` without the rest of the snapshot."""
         return len(self.scheduler.running_seqs())
 
     # ---- stepping ------------------------------------------------------------------

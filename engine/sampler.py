@@ -144,7 +144,9 @@ def _inverse_cdf_sample(weights: torch.Tensor, rows: list[SamplingRow]) -> tuple
     uniform = torch.stack([torch.rand((), generator=row.generator, device=row.generator.device) for row in rows])
     uniform = uniform.to(device=weights.device, dtype=weights.dtype)
     # strictly below the total, so the block found has a positive weight (its cumulative weight rises past the
-    # target), and inside it strictly below its own total, so the token found has a positive weight too
+    # target), and inside it strictly below its own total, so the token found has a positive weight too; this
+    # takes cumulative sums that never fall as they add weights >= 0 (the CPU's sequential cumsum; a device's
+    # parallel scan may round otherwise, and the clamps still keep every token inside the vocabulary)
     targets = _strictly_below(total, uniform * total)
     block = torch.searchsorted(block_cumulative, targets[:, None], right=True)[:, 0]
     block.clamp_(max=block_cumulative.shape[-1] - 1)

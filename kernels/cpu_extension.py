@@ -19,7 +19,7 @@ from kernels.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# one translation unit, in this order: simd_math_cpu.cpp's exponential and conversions serve both files after it
+# one translation unit, in this order: simd_math_cpu.cpp's exponential and conversions serve the files after it
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp")]
 FUNCTIONS = ["paged_decode", "rotary_", "add_rms_norm_", "silu_and_mul"]

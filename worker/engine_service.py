@@ -161,7 +161,7 @@ class EngineService:
             return
         self._report_step(time.perf_counter() - started_s, outputs)
         # not stats(): its cache usage walks every free block, on every step
-        self.peak_num_running = max(self.peak_num_running, self.engine.num_running_seqs())
+        self.peak_num_running = max(self.peak_num_running, self.engine.num_running())
         self._sink_tokens(outputs)
         for output in outputs:
             handle = self._handles.get(output.request_id)

@@ -50,6 +50,7 @@ void add_rms_norm_rows(const scalar_t* add, scalar_t* rows, const scalar_t* w, s
 }
 
 // a token's SiLU(gate) * up: sigmoid(g) from e^-|g| (never overflows), 1 / (1 + e) for g >= 0, e / (1 + e) below
+// (0 below -87, so that a huge negative gate gives -0 and -inf gives NaN, as torch's SiLU does)
 template <typename scalar_t>
 void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t size) {
 #pragma omp simd
@@ -98,6 +99,7 @@ torch::Tensor add_rms_norm_(torch::Tensor delta, torch::Tensor residual, torch::
 
 // gate_up [T, 2 * I] (each row the gate's I columns then the up's; rows at any stride) -> SiLU(gate) * up [T, I]
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu(), "silu_and_mul: gate_up must be on the CPU");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
               "silu_and_mul: gate_up must be [tokens, 2 * intermediate] with contiguous rows");
   const int64_t size = gate_up.size(1) / 2;

@@ -1,6 +1,7 @@
 // Element-wise math written so that GCC vectorizes the loops that call it (glibc's expf is a scalar call, and
 // c10's bf16 conversions copy through a struct), for the kernels that follow this file in the one translation
-// unit kernels/cpu_extension.py builds: the decode softmax and the SiLU.
+// unit kernels/cpu_extension.py builds: the exponential for the decode softmax and the SiLU, the conversions for
+// the SiLU.
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -11,10 +12,12 @@
 namespace {
 
 // e^x for x <= 0 (a score minus its row's maximum; -|x| in a sigmoid) within a few ulp: 2^n * p(r),
-// x = n ln2 + r (Cephes' expf). n is rounded as a float: a float-to-int truncation keeps GCC from vectorizing.
+// x = n ln2 + r (Cephes' expf); exactly 0 below -87, where 2^n would leave the normal floats (e^-87 is 1.6e-38).
+// n is rounded by nearbyint: GCC did not vectorize the loops with Cephes' rounding, int(x * log2(e) - 0.5).
 #pragma omp declare simd notinbranch
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);  // keeps 2^n a normal float; e^-87 is 0 next to the maximum's e^0
+  const bool underflows = x < -87.f;
+  x = std::max(x, -87.f);
   const float n = std::nearbyint(x * 1.44269504f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -24,7 +27,7 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.f;
-  return y * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return underflows ? 0.f : y * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
 // a value as fp32: bf16 by its bits (the upper half of an fp32)

@@ -36,10 +36,9 @@ def test_guidellm_measures_pagedserve_up_streaming_and_not(tiny_model_dir: Path,
     for row in payload["rows"][:2]:
         assert 0 < row["latency_ms_p50"] <= row["latency_ms_p99"]
         # the worker's step counters over the run: every token came from a step of 1 or 2 rows (2 in flight)
-        assert OUTPUT_TOKENS <= row["engine_steps"] <= NUM_REQUESTS * OUTPUT_TOKENS
+        assert NUM_REQUESTS * OUTPUT_TOKENS // 2 <= row["engine_steps"] <= NUM_REQUESTS * OUTPUT_TOKENS
         assert 1.0 <= row["engine_rows_per_step"] <= 2.0
-        assert 0 < row["engine_busy_s"] <= row["duration_s"] and row["engine_busy_share"] == pytest.approx(
-            row["engine_busy_s"] / row["duration_s"])
+        assert 0 < row["engine_busy_s"] <= row["duration_s"] and "engine_counters_error" not in row
     streaming, offline = payload["rows"][1:]
     assert offline["config"] == "engine, max_num_seqs=2"
     assert 0 < streaming["ttft_ms_p50"] <= streaming["ttft_ms_p99"] and streaming["itl_ms_p50"] > 0
@@ -52,6 +51,15 @@ def test_guidellm_measures_pagedserve_up_streaming_and_not(tiny_model_dir: Path,
             comparison["pagedserve_output_tokens_per_s"] / offline["output_tokens_per_s"])
     assert "| pagedserve |" in (tmp_path / "serve.md").read_text()
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_a_worker_whose_metrics_do_not_answer_leaves_the_run_measured_without_engine_counters() -> None:
+    row: dict[str, object] = {"output_tokens_per_s": 10.0}
+    assert serve.engine_counters("http://127.0.0.1:1/metrics", row) is None  # nothing listens on port 1
+    assert "127.0.0.1:1" in str(row["engine_counters_error"]) and row["output_tokens_per_s"] == 10.0
+    counters = dict.fromkeys(serve.ENGINE_COUNTERS, 0.0)
+    assert serve.engine_share(counters, counters, duration_s=0.0) == {
+        "engine_busy_s": 0.0, "engine_busy_share": 0.0, "engine_steps": 0, "engine_rows_per_step": 0.0}
 
 
 def test_pagedserve_that_cannot_start_is_an_error_row_with_its_log(tiny_model_dir: Path, tmp_path: Path) -> None:

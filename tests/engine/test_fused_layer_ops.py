@@ -92,18 +92,30 @@ def test_fused_silu_and_mul_equals_silu_of_the_gate_times_up(
 ) -> None:
     torch.manual_seed(2)
     gate_up = (torch.randn(rows, 2 * size) * 6).to(dtype)  # gates far into both tails of the sigmoid
-    gate_up[0, :3] = torch.tensor([0.0, -100.0, 100.0])  # e^100 would overflow a naive sigmoid
+    extremes = [0.0, -100.0, 100.0, -1e4, float("inf"), float("-inf"), float("nan")]  # e^100 overflows a naive sigmoid
+    if dtype != torch.float16:  # past fp16's range
+        extremes += [-1e33, -3e38]  # far below e^x's underflow: SiLU is -0, not gate * e^-87
+    gate_up[0, : min(len(extremes), size)] = torch.tensor(extremes[:size])
     gate, up = gate_up.float().split(size, dim=-1)
     expected = (torch.nn.functional.silu(gate) * up).to(dtype)  # in fp32, then rounded once
     tolerance = max(TOLERANCE[dtype], 1e-5)
-    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), expected, atol=tolerance, rtol=tolerance,
+                               equal_nan=True)
     rows_at_a_stride = torch.cat([gate_up, gate_up], dim=-1)[:, : 2 * size]  # the gate_up columns of wider rows
-    torch.testing.assert_close(fused_ops.silu_and_mul(rows_at_a_stride), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(fused_ops.silu_and_mul(rows_at_a_stride), expected, atol=tolerance, rtol=tolerance,
+                               equal_nan=True)
 
 
-def test_fused_silu_and_mul_refuses_rows_it_cannot_split(fused_ops) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("gate_up", [torch.randn(3, 7), torch.randn(8, 4).t(), torch.randn(2, 3, 4)],
+                         ids=["odd width", "strided columns", "three dims"])
+def test_fused_silu_and_mul_refuses_rows_it_cannot_split(fused_ops, gate_up: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match=r"gate_up must be \[tokens, 2 \* intermediate\]"):
-        fused_ops.silu_and_mul(torch.randn(3, 7))
+        fused_ops.silu_and_mul(gate_up)
+
+
+def test_fused_silu_and_mul_refuses_a_tensor_off_the_cpu(fused_ops) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="gate_up must be on the CPU"):
+        fused_ops.silu_and_mul(torch.empty(2, 8, device="meta"))
 
 
 def _fused(llm: LLM) -> bool:

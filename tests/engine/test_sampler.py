@@ -46,15 +46,29 @@ def test_a_vocabulary_of_many_blocks_samples_its_probabilities_across_blocks() -
     assert torch.all((counts - 4000 * probs).abs() < 130), counts[list(chosen)]
 
 
-@pytest.mark.parametrize("vocab", [5, SCAN_BLOCK, SCAN_BLOCK + 1, 3 * SCAN_BLOCK - 1])
+@pytest.mark.parametrize("vocab", [5, SCAN_BLOCK, SCAN_BLOCK + 1, 3 * SCAN_BLOCK - 1])  # one block; tails
 def test_greedy_takes_the_first_of_tied_maxima_whatever_the_blocks(vocab: int) -> None:
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
-    ties = [vocab - 1, vocab // 2, 1]  # row 0 ties across the last block; row 1 in one block
+    ties = [vocab - 1, vocab // 2, 1]  # row 0 ties at both ends of the vocabulary; row 1 ties two positions
     logits[0, ties] = logits[1, ties[1:]] = 100.0
     logits[2, vocab - 1] = 100.0  # the very last entry
     logits[3] = float("-inf")  # nothing to take: token 0, as torch's max gives
     tokens = [r.token_id for r in sample(logits, rows(4, seed=0, temperature=0.0))]
     assert tokens == [1, 1, vocab - 1, 0] == logits.max(dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("draw", [0.0, 0.5, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))])
+def test_the_highest_draw_still_lands_on_a_token_of_positive_weight(
+    monkeypatch: pytest.MonkeyPatch, draw: float
+) -> None:
+    # weight only in the first entries of two blocks, every entry after them 0 (the tail block too): a draw at the
+    # top of [0, 1) must not run on past the last weighted token
+    vocab = 3 * SCAN_BLOCK + 5
+    probs = torch.zeros(vocab)
+    probs[[3, SCAN_BLOCK + 1]] = torch.tensor([0.25, 0.75])
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(draw))
+    (result,) = sample(probs.log()[None, :], rows(1, seed=0, temperature=1.0))
+    assert result.token_id == (3 if draw < 0.25 else SCAN_BLOCK + 1)
 
 
 def test_top_k_and_top_p_sampling_stays_inside_the_kept_set() -> None:
