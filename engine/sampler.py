@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
 
@@ -150,8 +151,7 @@ def _inverse_cdf_sample(weights: torch.Tensor, rows: list[SamplingRow]) -> tuple
     targets = _strictly_below(total, uniform * total)
     block = torch.searchsorted(block_cumulative, targets[:, None], right=True)[:, 0]
     block.clamp_(max=block_cumulative.shape[-1] - 1)
-    before = torch.cat([torch.zeros_like(block_cumulative[:, :1]), block_cumulative], dim=-1).gather(
-        -1, block[:, None])[:, 0]
+    before = F.pad(block_cumulative, (1, 0)).gather(-1, block[:, None])[:, 0]  # the weight of the blocks before
     inside = _block_of(weights, block, 0.0).cumsum(dim=-1)
     local = _strictly_below(inside[:, -1], (targets - before).clamp_(min=0.0))
     offset = torch.searchsorted(inside, local[:, None], right=True)[:, 0].clamp_(max=SCAN_BLOCK - 1)

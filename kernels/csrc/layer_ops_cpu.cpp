@@ -18,9 +18,9 @@ void rotate_heads(scalar_t* x, int64_t num_heads, int64_t head_dim, const float*
   for (int64_t h = 0; h < num_heads; ++h, x += head_dim) {
 #pragma omp simd
     for (int64_t d = 0; d < half; ++d) {
-      const float first = static_cast<float>(x[d]), second = static_cast<float>(x[d + half]);
-      x[d] = static_cast<scalar_t>(first * cos[d] - second * sin[d]);
-      x[d + half] = static_cast<scalar_t>(second * cos[d + half] + first * sin[d + half]);
+      const float first = to_float(x[d]), second = to_float(x[d + half]);
+      x[d] = from_float<scalar_t>(first * cos[d] - second * sin[d]);
+      x[d + half] = from_float<scalar_t>(second * cos[d + half] + first * sin[d + half]);
     }
   }
 }
@@ -34,16 +34,16 @@ void add_rms_norm_rows(const scalar_t* add, scalar_t* rows, const scalar_t* w, s
       if (add != nullptr) {
 #pragma omp simd
         for (int64_t i = 0; i < hidden; ++i) {
-          row[i] = static_cast<scalar_t>(static_cast<float>(row[i]) + static_cast<float>(add[t * hidden + i]));
+          row[i] = from_float<scalar_t>(to_float(row[i]) + to_float(add[t * hidden + i]));
         }
       }
       float squares = 0.f;  // of the stored (rounded) sum, as the plain norm reads it
 #pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < hidden; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      for (int64_t i = 0; i < hidden; ++i) squares += to_float(row[i]) * to_float(row[i]);
       const float inverse = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < hidden; ++i) {
-        dst[t * hidden + i] = static_cast<scalar_t>(static_cast<float>(w[i]) * (static_cast<float>(row[i]) * inverse));
+        dst[t * hidden + i] = from_float<scalar_t>(to_float(w[i]) * (to_float(row[i]) * inverse));
       }
     }
   });

@@ -116,7 +116,7 @@ void rows_as_float(const scalar_t* cache, const int32_t* table, int64_t first, i
     } else {
       float* dst = scratch + i * row;
 #pragma omp simd
-      for (int64_t j = 0; j < row; ++j) dst[j] = static_cast<float>(src[j]);
+      for (int64_t j = 0; j < row; ++j) dst[j] = to_float(src[j]);
       rows[i] = dst;
     }
   }
@@ -141,7 +141,7 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
       const int64_t length = context_lens[seq];
       const int32_t* table = block_tables + seq * table_width;
       const scalar_t* seq_query = query + seq * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = static_cast<float>(seq_query[i]) * scale;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = to_float(seq_query[i]) * scale;
       scores.resize(num_heads * length);
       for (int64_t first = 0; first < length; first += kLanes) {
         const int64_t count = std::min(kLanes, length - first);
@@ -176,7 +176,7 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
       scalar_t* seq_out = out + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
-          seq_out[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inverse_totals[h]);
+          seq_out[h * head_dim + d] = from_float<scalar_t>(acc[h * head_dim + d] * inverse_totals[h]);
         }
       }
     }
