@@ -1,25 +1,40 @@
 // Paged decode attention on the CPU: each sequence reads its context's K/V rows in place through its
 // block table (no gather copy; a block's rows are contiguous, every KV head of a token side by side),
-// scores every query head against its KV head's rows, then softmax and a weighted sum of the V rows.
-// Math in fp32 whatever the cache's dtype.
+// scores the query heads of each KV head against that head's rows, then softmax and a weighted sum of the V
+// rows. Math in fp32 whatever the cache's dtype.
 //
-// Scores are made kLanes positions at a time: one vector of partial sums per position (no horizontal sum
-// per dot product), then one transpose-and-add of those kLanes vectors gives the kLanes scores side by
-// side. Written with GCC's vector extensions, so that one code path compiles to AVX2 or AVX-512 (8 lanes
-// are one AVX2 register, half of an AVX-512 one; Zen 4 runs 512-bit ops as two 256-bit halves anyway).
-// The softmax's exponential is simd_math_cpu.cpp's polynomial, which the compiler vectorizes.
+// The query heads that share a KV head (GQA) are worked together, up to kMaxHeads of them: each K or V vector
+// is loaded and widened to fp32 once, in registers, and multiplied into every head of the group (no fp32 copy
+// of the rows, which cost a third of the kernel's time in stores and reloads). Scores are made kLanes positions
+// at a time: one vector of partial sums per position and head (no horizontal sum per dot product), then one
+// transpose-and-add of those kLanes vectors gives a head's kLanes scores side by side. The weighted sum keeps
+// the group's sums for a tile of up to kTile vectors of dimensions in registers across kValueChunk positions.
+// A decode step reads the cache from memory (the weights pass through the caches in between), one block
+// wherever the table put it: the rows are prefetched ahead of use, K a few chunks ahead and V during the scores.
+// Same results as one head at a time, bit for bit (every sum is taken in the same order).
+// Written with GCC's vector extensions, so that one code path compiles to AVX2 or AVX-512 (8 lanes are one
+// AVX2 register, half of an AVX-512 one; Zen 4 runs 512-bit ops as two 256-bit halves anyway).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kLanes = 8;
+constexpr int kTile = 8;  // vectors of dimensions per weighted-sum pass: a head_dim of 64 in one pass
+// heads per group pass: kMaxHeads * kLanes score sums (or kMaxHeads * kTile value sums) stay in registers,
+// which takes AVX-512's 32 vector registers; AVX2's 16 hold the sums of one head
+#ifdef __AVX512F__
+constexpr int kMaxHeads = 3;
+#else
+constexpr int kMaxHeads = 1;
+#endif
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t Mask __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
@@ -28,6 +43,33 @@ inline Vec load(const float* from, int64_t count = kLanes) {
   std::memcpy(&v, from, count * sizeof(float));
   return v;
 }
+
+// ``count`` values from ``from`` as fp32 lanes (the rest 0): a whole vector of bf16 or fp16 widens in registers
+// (bf16 by its bits, fp16 by the F16C conversion), anything else value by value. GCC's generic widening of the
+// bf16 bits went through two 128-bit halves and its fp16 conversion one value at a time, hence the intrinsics.
+template <typename scalar_t>
+inline Vec load_as_float(const scalar_t* from, int64_t count = kLanes) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return load(from, count);
+  }
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+    if (count == kLanes) {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from));
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        return __builtin_bit_cast(Vec, _mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      } else {
+        return __builtin_bit_cast(Vec, _mm256_cvtph_ps(bits));
+      }
+    }
+  }
+#endif
+  Vec v = {};
+  for (int64_t i = 0; i < count; ++i) v[i] = to_float(from[i]);
+  return v;
+}
+
+inline void store(float* to, const Vec& v) { std::memcpy(to, &v, sizeof v); }
 
 // lane i of the result is the sum of the lanes of v[i]: pairs interleaved and added three times over
 // (unpack floats, unpack float pairs, swap 128-bit halves); the masks are constants, so that each shuffle is
@@ -46,81 +88,84 @@ inline Vec transpose_sum(const Vec (&v)[kLanes]) {
          __builtin_shuffle(x[0], x[1], (Mask){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-// the scores q . k of the kLanes rows, side by side: one vector of partial sums per row (held in registers),
-// then one transpose_sum
-inline Vec scores_of_rows(const float* qh, const float* const (&rows)[kLanes], int64_t offset, int64_t full_chunks,
-                          int64_t tail) {
-  Vec partial[kLanes] = {};
-  for (int64_t c = 0; c < full_chunks; ++c) {
-    const Vec qc = load(qh + c * kLanes);
-    for (int64_t i = 0; i < kLanes; ++i) partial[i] += qc * load(rows[i] + offset + c * kLanes);
+// f(std::integral_constant<int, n>) for a runtime n in [1, Max]
+template <int Max, typename F>
+inline void with_constant(int n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_constant<Max - 1>(n, std::forward<F>(f));
   }
-  if (tail) {
-    const Vec qc = load(qh + full_chunks * kLanes, tail);
-    for (int64_t i = 0; i < kLanes; ++i) partial[i] += qc * load(rows[i] + offset + full_chunks * kLanes, tail);
-  }
-  return transpose_sum(partial);
+  f(std::integral_constant<int, Max>{});
 }
 
-inline void store(float* to, const Vec& v) { std::memcpy(to, &v, sizeof v); }
-
-// out[0, kLanes * nvec) += sum over the ``count`` rows of weights[i] * rows[i][0, kLanes * nvec), the sums held in
-// registers across the rows
-template <int nvec>
-inline void accumulate_rows(float* out, const float* weights, const float* const* rows, int64_t count) {
-  Vec sums[nvec];
-  for (int v = 0; v < nvec; ++v) sums[v] = load(out + v * kLanes);
-  for (int64_t i = 0; i < count; ++i) {
-    for (int v = 0; v < nvec; ++v) sums[v] += weights[i] * load(rows[i] + v * kLanes);
-  }
-  for (int v = 0; v < nvec; ++v) store(out + v * kLanes, sums[v]);
-}
-
-// accumulate_rows over a head of ``head_dim`` values: eight vectors at a time, then the rest
-void accumulate_head(float* out, const float* weights, const float* const (&rows)[kLanes], int64_t count,
-                     int64_t head_dim) {
-  const float* shifted[kLanes];
+// the scores of NH query heads (fp32 rows of head_dim, scaled) against their KV head's K values, at ``offset``
+// in the rows of kLanes positions: scores[h * stride + i] (a row past the context repeats a real one: its lane
+// is ignored)
+template <int NH, typename scalar_t>
+inline void score_positions(const float* q, int64_t head_dim, const scalar_t* const* rows, int64_t offset,
+                            float* scores, int64_t stride) {
+  Vec partial[NH][kLanes] = {};
+  auto accumulate = [&](int64_t d, int64_t width) {
+    Vec qd[NH];
+    for (int h = 0; h < NH; ++h) qd[h] = load(q + h * head_dim + d, width);
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const Vec k = load_as_float(rows[i] + offset + d, width);
+      for (int h = 0; h < NH; ++h) partial[h][i] += qd[h] * k;
+    }
+  };
   int64_t d = 0;
-  auto shift = [&] { for (int64_t i = 0; i < count; ++i) shifted[i] = rows[i] + d; };
-  for (; d + 8 * kLanes <= head_dim; d += 8 * kLanes) {
-    shift();
-    accumulate_rows<8>(out + d, weights, shifted, count);
-  }
-  shift();
-  switch ((head_dim - d) / kLanes) {
-    case 7: accumulate_rows<7>(out + d, weights, shifted, count); break;
-    case 6: accumulate_rows<6>(out + d, weights, shifted, count); break;
-    case 5: accumulate_rows<5>(out + d, weights, shifted, count); break;
-    case 4: accumulate_rows<4>(out + d, weights, shifted, count); break;
-    case 3: accumulate_rows<3>(out + d, weights, shifted, count); break;
-    case 2: accumulate_rows<2>(out + d, weights, shifted, count); break;
-    case 1: accumulate_rows<1>(out + d, weights, shifted, count); break;
-    default: break;
-  }
-  for (d += (head_dim - d) / kLanes * kLanes; d < head_dim; ++d) {  // a head_dim that is no multiple of kLanes
-    for (int64_t i = 0; i < count; ++i) out[d] += weights[i] * rows[i][d];
-  }
+  for (; d + kLanes <= head_dim; d += kLanes) accumulate(d, kLanes);
+  if (d < head_dim) accumulate(d, head_dim - d);
+  for (int h = 0; h < NH; ++h) store(scores + h * stride, transpose_sum(partial[h]));
 }
 
-// the K or V rows of ``count`` consecutive positions from ``first`` as fp32: pointers into the cache for an
-// fp32 cache, else rows converted into ``scratch`` [kLanes, row]. Past ``count`` (the context's last chunk),
-// rows repeat the first one, so that every chunk is scored as a whole and only ``count`` scores are kept.
-template <typename scalar_t>
-void rows_as_float(const scalar_t* cache, const int32_t* table, int64_t first, int64_t count, int64_t block_size,
-                   int64_t block_stride, int64_t row, float* scratch, const float* (&rows)[kLanes]) {
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t pos = first + i;
-    const scalar_t* src = cache + table[pos / block_size] * block_stride + (pos % block_size) * row;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      rows[i] = src;
-    } else {
-      float* dst = scratch + i * row;
-#pragma omp simd
-      for (int64_t j = 0; j < row; ++j) dst[j] = to_float(src[j]);
-      rows[i] = dst;
+// out[h * head_dim + (0, NV * kLanes)] += sum over ``count`` positions of weights[h * stride + pos] *
+// rows[pos][offset, offset + NV * kLanes) for NH heads, the sums in registers across the positions
+template <int NH, int NV, typename scalar_t>
+inline void weigh_values(float* out, int64_t head_dim, const float* weights, int64_t stride, int64_t count,
+                         const scalar_t* const* rows, int64_t offset) {
+  Vec sums[NH][NV];
+  for (int h = 0; h < NH; ++h) {
+    for (int v = 0; v < NV; ++v) sums[h][v] = load(out + h * head_dim + v * kLanes);
+  }
+  for (int64_t pos = 0; pos < count; ++pos) {
+    float w[NH];
+    for (int h = 0; h < NH; ++h) w[h] = weights[h * stride + pos];
+    const scalar_t* row = rows[pos] + offset;
+    for (int v = 0; v < NV; ++v) {
+      const Vec x = load_as_float(row + v * kLanes);
+      for (int h = 0; h < NH; ++h) sums[h][v] += w[h] * x;
     }
   }
-  std::fill(rows + count, rows + kLanes, rows[0]);
+  for (int h = 0; h < NH; ++h) {
+    for (int v = 0; v < NV; ++v) store(out + h * head_dim + v * kLanes, sums[h][v]);
+  }
+}
+
+// the context's length rounded up to whole vectors: a head's row of scores
+inline int64_t padded(int64_t length) { return (length + kLanes - 1) / kLanes * kLanes; }
+
+// every cache line of ``count`` rows of ``bytes`` each, asked for ahead of their use: a block's rows sit wherever
+// the block table put it, out of reach of the hardware prefetchers, and decode reads the cache from memory
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* const* rows, int64_t count, int64_t bytes) {
+  for (int64_t i = 0; i < count; ++i) {
+    const char* row = reinterpret_cast<const char*>(rows[i]);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(row + line);
+  }
+}
+
+constexpr int64_t kValueChunk = 32;  // positions per pass of the weighted sum: their V rows stay in L1
+
+// for every KV head, its query heads kMaxHeads at a time: f(std::integral_constant<int, NH>, first query head,
+// KV head)
+template <typename F>
+inline void for_head_groups(int64_t num_kv_heads, int64_t group, F&& f) {
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    for (int64_t h = 0; h < group; h += kMaxHeads) {
+      with_constant<kMaxHeads>(static_cast<int>(std::min<int64_t>(kMaxHeads, group - h)),
+                               [&](auto nh) { f(nh, kv_head * group + h, kv_head); });
+    }
+  }
 }
 
 template <typename scalar_t>
@@ -130,30 +175,42 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
                  int64_t block_size, int64_t table_width, float scale) {
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t row = num_kv_heads * head_dim;      // one token's K (or V) row: every KV head side by side
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t block_stride = block_size * row;
-  const int64_t full_chunks = head_dim / kLanes, tail = head_dim % kLanes;
-  // one sequence per task: its blocks are read whole, every KV head of a token row at once
+  // one sequence per task: its K rows are read once in order, then its V rows
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(num_heads * head_dim), acc(num_heads * head_dim), scores, scratch(kLanes * row),
-        inverse_totals(num_heads);
-    const float* rows[kLanes];
+    std::vector<float> q(num_heads * head_dim), scores, sums(num_heads * head_dim), inverse_totals(num_heads);
+    std::vector<const scalar_t*> key_rows, value_rows;
     for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t length = context_lens[seq];
+      const int64_t length = context_lens[seq], stride = padded(length);
       const int32_t* table = block_tables + seq * table_width;
+      // each position's rows, padded with the first one to whole chunks of scores
+      key_rows.assign(stride, key_cache + table[0] * block_stride);
+      value_rows.resize(length);
+      for (int64_t pos = 0; pos < length; ++pos) {
+        const int64_t at = table[pos / block_size] * block_stride + (pos % block_size) * row;
+        key_rows[pos] = key_cache + at;
+        value_rows[pos] = value_cache + at;
+      }
+      prefetch_rows(key_rows.data(), std::min(4 * kLanes, length), row_bytes);
       const scalar_t* seq_query = query + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = to_float(seq_query[i]) * scale;
-      scores.resize(num_heads * length);
+      scores.resize(num_heads * stride);
       for (int64_t first = 0; first < length; first += kLanes) {
-        const int64_t count = std::min(kLanes, length - first);
-        rows_as_float(key_cache, table, first, count, block_size, block_stride, row, scratch.data(), rows);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const Vec sums = scores_of_rows(q.data() + h * head_dim, rows, (h / group) * head_dim, full_chunks, tail);
-          std::memcpy(scores.data() + h * length + first, &sums, count * sizeof(float));
+        if (first + 4 * kLanes < length) {  // four chunks ahead
+          prefetch_rows(key_rows.data() + first + 4 * kLanes, std::min(kLanes, length - first - 4 * kLanes), row_bytes);
         }
+        prefetch_rows(value_rows.data() + first, std::min(kLanes, length - first), row_bytes);  // for the sums
+        for_head_groups(num_kv_heads, group, [&](auto nh, int64_t head, int64_t kv_head) {
+          score_positions<decltype(nh)::value>(q.data() + head * head_dim, head_dim, key_rows.data() + first,
+                                               kv_head * head_dim, scores.data() + head * stride + first, stride);
+        });
       }
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* head_scores = scores.data() + h * length;
-        const float top = *std::max_element(head_scores, head_scores + length);
+        float* head_scores = scores.data() + h * stride;
+        float top = head_scores[0];
+#pragma omp simd reduction(max : top)
+        for (int64_t pos = 0; pos < length; ++pos) top = std::max(top, head_scores[pos]);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t pos = 0; pos < length; ++pos) {
@@ -162,21 +219,40 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
         }
         inverse_totals[h] = 1.f / total;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t first = 0; first < length; first += kLanes) {
-        const int64_t count = std::min(kLanes, length - first);
-        rows_as_float(value_cache, table, first, count, block_size, block_stride, row, scratch.data(), rows);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const int64_t offset = (h / group) * head_dim;
-          const float* head_rows[kLanes];
-          for (int64_t i = 0; i < count; ++i) head_rows[i] = rows[i] + offset;
-          accumulate_head(acc.data() + h * head_dim, scores.data() + h * length + first, head_rows, count, head_dim);
-        }
+      std::fill(sums.begin(), sums.end(), 0.f);
+      const int64_t tiles = head_dim / (kTile * kLanes), rest = head_dim % (kTile * kLanes) / kLanes;
+      for (int64_t first = 0; first < length; first += kValueChunk) {
+        const int64_t count = std::min(kValueChunk, length - first);
+        prefetch_rows(value_rows.data() + first + count, std::min(kValueChunk, length - first - count), row_bytes);
+        for_head_groups(num_kv_heads, group, [&](auto nh, int64_t head, int64_t kv_head) {
+          constexpr int NH = decltype(nh)::value;
+          float* head_sums = sums.data() + head * head_dim;
+          const float* weights = scores.data() + head * stride + first;
+          const scalar_t* const* rows = value_rows.data() + first;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t d = t * kTile * kLanes;
+            weigh_values<NH, kTile>(head_sums + d, head_dim, weights, stride, count, rows, kv_head * head_dim + d);
+          }
+          const int64_t d = tiles * kTile * kLanes;
+          if (rest > 0) {
+            with_constant<kTile>(static_cast<int>(rest), [&](auto nv) {
+              weigh_values<NH, decltype(nv)::value>(head_sums + d, head_dim, weights, stride, count, rows,
+                                                    kv_head * head_dim + d);
+            });
+          }
+          for (int64_t dim = d + rest * kLanes; dim < head_dim; ++dim) {  // a head_dim that is no multiple of kLanes
+            for (int h = 0; h < NH; ++h) {
+              for (int64_t pos = 0; pos < count; ++pos) {
+                head_sums[h * head_dim + dim] += weights[h * stride + pos] * to_float(rows[pos][kv_head * head_dim + dim]);
+              }
+            }
+          }
+        });
       }
       scalar_t* seq_out = out + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
-          seq_out[h * head_dim + d] = from_float<scalar_t>(acc[h * head_dim + d] * inverse_totals[h]);
+          seq_out[h * head_dim + d] = from_float<scalar_t>(sums[h * head_dim + d] * inverse_totals[h]);
         }
       }
     }

@@ -71,11 +71,18 @@ def test_compiled_decode_matches_naive_attention(
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("context_lens", "block_size", "heads", "kv_heads", "dim"),
+    [([20, 45, 3], 16, 6, 2, 64),  # groups of 3: one pass of the register-held group
+     ([9, 70], 8, 8, 1, 36),  # a group of 8 (passes of 3, 3 and 2 heads); 4 values past the last whole vector
+     ([33, 130], 4, 10, 2, 80)],  # groups of 5 (3 + 2); a tile of eight vectors, then two
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reduced_precision_caches_decode_compiled_unless_amx_multiplies_them(dtype: torch.dtype) -> None:
+def test_reduced_precision_caches_decode_compiled_unless_amx_multiplies_them(
+    context_lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+) -> None:
     torch.manual_seed(1)
-    context_lens = [20, 45, 3]
-    query, key_cache, value_cache, tables, lens = _case(context_lens, 16, 6, 2, 64, dtype)
+    query, key_cache, value_cache, tables, lens = _case(context_lens, block_size, heads, kv_heads, dim, dtype)
     plan = cpu_ops.plan_decode(query, key_cache, value_cache, tables, lens)
     # where AMX tiles multiply the dtype, torch's fused SDPA is the faster path and the reference keeps it
     expected_plan = reference.AttentionPlan if has_amx_for(dtype) else cpu_ops.CompiledDecodePlan
