@@ -7,6 +7,7 @@ the device in one sync per call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,36 +25,37 @@ class HostTables:
     query_start_loc: list[int] | None = None  # prefill only
 
 
-def _require(ok: bool, message: str) -> None:
-    """Raise ``ValueError(message)`` unless ``ok``."""
+def _require(ok: bool, message: str | Callable[[], str]) -> None:
+    """Raise ``ValueError(message)`` unless ``ok``; a formatted message comes as a callable, so that a check that
+    passes formats nothing (the engine checks every layer's arguments on every step)."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message if isinstance(message, str) else message())
 
 
 def _check_index(name: str, tensor: torch.Tensor, ndim: int, device: torch.device) -> None:
     """An integer index tensor of ``ndim`` dimensions on ``device``."""
-    _require(tensor.dtype in INDEX_DTYPES, f"{name} must be int32 or int64, got {tensor.dtype}")
-    _require(tensor.dim() == ndim, f"{name} must have {ndim} dimensions, got {tuple(tensor.shape)}")
-    _require(tensor.device == device, f"{name} must be on {device}, got {tensor.device}")
+    _require(tensor.dtype in INDEX_DTYPES, lambda: f"{name} must be int32 or int64, got {tensor.dtype}")
+    _require(tensor.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(tensor.shape)}")
+    _require(tensor.device == device, lambda: f"{name} must be on {device}, got {tensor.device}")
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Key and value caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, alike in all."""
-    _require(key_cache.dim() == 4, f"key_cache must be 4-D, got {tuple(key_cache.shape)}")
+    _require(key_cache.dim() == 4, lambda: f"key_cache must be 4-D, got {tuple(key_cache.shape)}")
     _require(
         value_cache.shape == key_cache.shape,
-        f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}",
+        lambda: f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}",
     )
-    _require(key_cache.dtype in CACHE_DTYPES, f"key_cache dtype must be one of {CACHE_DTYPES}")
+    _require(key_cache.dtype in CACHE_DTYPES, lambda: f"key_cache dtype must be one of {CACHE_DTYPES}")
     _require(
         value_cache.dtype == key_cache.dtype,
-        f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}",
+        lambda: f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}",
     )
     _require(value_cache.device == key_cache.device, "value_cache must be on key_cache's device")
     _require(key_cache.stride(-1) == 1, "key_cache must be contiguous in head_dim")
     _require(
         value_cache.stride() == key_cache.stride(),
-        f"value_cache strides {value_cache.stride()} != key_cache strides {key_cache.stride()}",
+        lambda: f"value_cache strides {value_cache.stride()} != key_cache strides {key_cache.stride()}",
     )
 
 
@@ -72,9 +74,9 @@ def check_cache_write(
     check_cache_pair(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     expected = (key.shape[0], num_kv_heads, head_dim)
-    _require(tuple(key.shape) == expected, f"key must be {expected}, got {tuple(key.shape)}")
-    _require(value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape")
-    _require(value.dtype == key.dtype, f"value dtype {value.dtype} != key dtype {key.dtype}")
+    _require(tuple(key.shape) == expected, lambda: f"key must be {expected}, got {tuple(key.shape)}")
+    _require(value.shape == key.shape, lambda: f"value shape {tuple(value.shape)} != key shape")
+    _require(value.dtype == key.dtype, lambda: f"value dtype {value.dtype} != key dtype {key.dtype}")
     _require(key.stride(-1) == 1, "key must be contiguous in head_dim")
     _require(value.stride(-1) == 1, "value must be contiguous in head_dim")
     _require(key.device == key_cache.device, "key must be on the cache's device")
@@ -82,7 +84,7 @@ def check_cache_write(
     _check_index("slot_mapping", slot_mapping, 1, key_cache.device)
     _require(
         slot_mapping.shape[0] == key.shape[0],
-        f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens",
+        lambda: f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens",
     )
     if not slot_mapping.numel():
         return 0, 0
@@ -92,7 +94,7 @@ def check_cache_write(
     num_slots = num_blocks * block_size
     _require(
         low >= -1 and high < num_slots,
-        f"slot_mapping must be -1 or in [0, {num_slots}), got values in [{low}, {high}]",
+        lambda: f"slot_mapping must be -1 or in [0, {num_slots}), got values in [{low}, {high}]",
     )
     return low, high
 
@@ -100,12 +102,12 @@ def check_cache_write(
 def _check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     """``query [tokens, num_heads, head_dim]`` matching the cache's head_dim and KV heads."""
     head_dim, num_kv_heads = key_cache.shape[3], key_cache.shape[2]
-    _require(query.dim() == 3, f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
-    _require(query.dtype in CACHE_DTYPES, f"query dtype must be one of {CACHE_DTYPES}")
-    _require(query.shape[2] == head_dim, f"query head_dim {query.shape[2]} != cache's {head_dim}")
+    _require(query.dim() == 3, lambda: f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
+    _require(query.dtype in CACHE_DTYPES, lambda: f"query dtype must be one of {CACHE_DTYPES}")
+    _require(query.shape[2] == head_dim, lambda: f"query head_dim {query.shape[2]} != cache's {head_dim}")
     _require(
         query.shape[1] % num_kv_heads == 0,
-        f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}",
+        lambda: f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}",
     )
     _require(query.device == key_cache.device, "query must be on the cache's device")
     _require(query.stride(-1) == 1, "query must be contiguous in head_dim")
@@ -126,11 +128,11 @@ def _check_table_shapes(
     _check_index("context_lens", context_lens, 1, key_cache.device)
     _require(
         block_tables.shape[0] == num_seqs,
-        f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
+        lambda: f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences",
     )
     _require(
         context_lens.shape[0] == num_seqs,
-        f"context_lens has {context_lens.shape[0]} entries for {num_seqs} sequences",
+        lambda: f"context_lens has {context_lens.shape[0]} entries for {num_seqs} sequences",
     )
 
 
@@ -154,14 +156,14 @@ def _check_table_values(
     stats = (context_lens.min(), context_lens.max(), bad_block, *extra)
     values = _fetch(stats)
     low, high, bad = values[:3]
-    _require(low >= 1, f"context_lens must be >= 1, got {low}")
+    _require(low >= 1, lambda: f"context_lens must be >= 1, got {low}")
     _require(
         high <= capacity,
-        f"context_lens must be <= block_tables capacity of {capacity} tokens, got {high}",
+        lambda: f"context_lens must be <= block_tables capacity of {capacity} tokens, got {high}",
     )
     _require(
         not bad,
-        f"block_tables point past the cache: blocks in use must be in [0, {num_blocks})",
+        lambda: f"block_tables point past the cache: blocks in use must be in [0, {num_blocks})",
     )
     return [high, *values[3:]]
 
@@ -171,7 +173,7 @@ def check_host_tables(key_cache: torch.Tensor, block_tables: torch.Tensor, host:
     lens = host.context_lens
     _require(
         len(lens) == len(host.block_tables) == block_tables.shape[0],
-        f"host copies hold {len(lens)} context_lens and {len(host.block_tables)} tables "
+        lambda: f"host copies hold {len(lens)} context_lens and {len(host.block_tables)} tables "
         f"for {block_tables.shape[0]} block_tables rows",
     )
     if not lens:
@@ -179,17 +181,17 @@ def check_host_tables(key_cache: torch.Tensor, block_tables: torch.Tensor, host:
     num_blocks, block_size = key_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     low, high = min(lens), max(lens)
-    _require(low >= 1, f"context_lens must be >= 1, got {low}")
+    _require(low >= 1, lambda: f"context_lens must be >= 1, got {low}")
     _require(
         high <= capacity,
-        f"context_lens must be <= block_tables capacity of {capacity} tokens, got {high}",
+        lambda: f"context_lens must be <= block_tables capacity of {capacity} tokens, got {high}",
     )
     # Only the blocks a context uses must be valid; the rest of a row is padding.
     blocks_in_use = [(n + block_size - 1) // block_size for n in lens]
     in_use = [block for row, count in zip(host.block_tables, blocks_in_use) for block in row[:count]]
     _require(
         len(in_use) == sum(blocks_in_use) and min(in_use) >= 0 and max(in_use) < num_blocks,
-        f"block_tables point past the cache: blocks in use must be in [0, {num_blocks})",
+        lambda: f"block_tables point past the cache: blocks in use must be in [0, {num_blocks})",
     )
     return high
 
@@ -247,7 +249,7 @@ def check_prefill(
     if host is not None:
         _require(
             host.query_start_loc is not None and len(host.query_start_loc) == num_seqs + 1,
-            f"host copies of a prefill need query_start_loc of {num_seqs + 1} offsets",
+            lambda: f"host copies of a prefill need query_start_loc of {num_seqs + 1} offsets",
         )
         max_context_len, starts = check_host_tables(key_cache, block_tables, host), host.query_start_loc
         too_many_queries = any(
@@ -261,7 +263,7 @@ def check_prefill(
         )
     _require(
         starts[0] == 0 and starts[-1] == query.shape[0] and starts == sorted(starts),
-        f"query_start_loc must rise from 0 to {query.shape[0]}, got {starts}",
+        lambda: f"query_start_loc must rise from 0 to {query.shape[0]}, got {starts}",
     )
     _require(not too_many_queries, "each sequence's query count must be <= its context_lens entry")
     return max_context_len, starts
@@ -272,7 +274,7 @@ def _check_block_ids(name: str, ids: torch.Tensor, num_blocks: int) -> None:
     low, high = torch.stack([ids.min(), ids.max()]).tolist()
     _require(
         low >= 0 and high < num_blocks,
-        f"{name} block ids must be in [0, {num_blocks}), got values in [{low}, {high}]",
+        lambda: f"{name} block ids must be in [0, {num_blocks}), got values in [{low}, {high}]",
     )
 
 
@@ -281,7 +283,7 @@ def _check_mapping(block_mapping: torch.Tensor) -> None:
     _require(block_mapping.dtype in INDEX_DTYPES, "block_mapping must be int32 or int64")
     _require(
         block_mapping.dim() == 2 and block_mapping.shape[1] == 2,
-        f"block_mapping must be [n, 2], got {tuple(block_mapping.shape)}",
+        lambda: f"block_mapping must be [n, 2], got {tuple(block_mapping.shape)}",
     )
 
 
@@ -291,7 +293,7 @@ def check_copy(
     """Arguments of ``copy_blocks``: one key and one value cache per layer, ids in range."""
     _require(
         len(key_caches) == len(value_caches),
-        f"{len(key_caches)} key_caches but {len(value_caches)} value_caches",
+        lambda: f"{len(key_caches)} key_caches but {len(value_caches)} value_caches",
     )
     _check_mapping(block_mapping)
     for key_cache, value_cache in zip(key_caches, value_caches):
@@ -305,9 +307,9 @@ def check_swap(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor
     """Arguments of ``swap_blocks``: same block shape and dtype, ids in range on each side."""
     _require(
         src.shape[1:] == dst.shape[1:],
-        f"src block shape {tuple(src.shape[1:])} != dst {tuple(dst.shape[1:])}",
+        lambda: f"src block shape {tuple(src.shape[1:])} != dst {tuple(dst.shape[1:])}",
     )
-    _require(src.dtype == dst.dtype, f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    _require(src.dtype == dst.dtype, lambda: f"src dtype {src.dtype} != dst dtype {dst.dtype}")
     _check_mapping(block_mapping)
     if block_mapping.numel():
         _check_block_ids("block_mapping[:, 0] (src)", block_mapping[:, 0], src.shape[0])
