@@ -325,12 +325,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total = sum(configs[system] for system in args.systems) * len(args.concurrency)
     with tempfile.TemporaryDirectory(prefix="serve-") as work, tqdm(total=total, unit="run") as progress:
         results = Results(args, command, tokenizer_dir, Path(work), progress, rows)
+        # the offline engine right after the service: hosts drift in speed within minutes, and service ÷ offline
+        # compares these two
         if "pagedserve" in args.systems:
             measure_pagedserve(results)
-        if "llama.cpp" in args.systems:
-            measure_llama_cpp(results)
         if "offline" in args.systems:
             measure_offline(results)
+        if "llama.cpp" in args.systems:
+            measure_llama_cpp(results)
         payload = results.write()
     print_table("guidellm runs", payload["rows"], serve_report.ROW_COLUMNS)
     print_table("pagedserve vs llama.cpp's best", payload["comparisons"], serve_report.COMPARISON_COLUMNS)
