@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-threads", type=positive_int, default=os.cpu_count() or 1,
                         help="llama-server --threads")
     parser.add_argument("--client-processes", type=positive_int, default=1, help="guidellm worker processes")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="rounds of the whole matrix, one after another; each system's fastest run of a cell "
+                             "is compared (hosts drift in speed within minutes)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="serve", help="file names of the results: <name>.json, .md, .png")
     parser.add_argument("--keep-others", action="store_true",
@@ -179,10 +182,11 @@ class Results:
     work_dir: Path
     progress: tqdm
     rows: list[dict[str, Any]] = field(default_factory=list)
+    round: int = 1  # of --rounds, recorded with each run
 
     def add(self, row: dict[str, Any]) -> None:
         """Record a run (or a server that failed) and rewrite the result files."""
-        self.rows.append(row)
+        self.rows.append({**row, "round": self.round})
         self.progress.update(1)
         self.write()
 
@@ -322,17 +326,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer_dir = resolve_model(args.model)  # guidellm's tokenizer and llama.cpp's source weights
     configs = {"pagedserve": len(args.modes), "llama.cpp": len(args.gguf_types) * len(args.slots) * len(args.modes),
                "offline": 1}
-    total = sum(configs[system] for system in args.systems) * len(args.concurrency)
+    total = sum(configs[system] for system in args.systems) * len(args.concurrency) * args.rounds
     with tempfile.TemporaryDirectory(prefix="serve-") as work, tqdm(total=total, unit="run") as progress:
         results = Results(args, command, tokenizer_dir, Path(work), progress, rows)
-        # the offline engine right after the service: hosts drift in speed within minutes, and service ÷ offline
-        # compares these two
-        if "pagedserve" in args.systems:
-            measure_pagedserve(results)
-        if "offline" in args.systems:
-            measure_offline(results)
-        if "llama.cpp" in args.systems:
-            measure_llama_cpp(results)
+        for round_number in range(1, args.rounds + 1):
+            results.round = round_number
+            # the offline engine right after the service: hosts drift in speed within minutes, and service ÷
+            # offline compares these two
+            if "pagedserve" in args.systems:
+                measure_pagedserve(results)
+            if "offline" in args.systems:
+                measure_offline(results)
+            if "llama.cpp" in args.systems:
+                measure_llama_cpp(results)
         payload = results.write()
     print_table("guidellm runs", payload["rows"], serve_report.ROW_COLUMNS)
     print_table("pagedserve vs llama.cpp's best", payload["comparisons"], serve_report.COMPARISON_COLUMNS)

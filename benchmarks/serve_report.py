@@ -8,7 +8,7 @@ from typing import Any
 from benchmarks.common import new_figure
 
 ROW_COLUMNS = [
-    "system", "config", "mode", "concurrency", "output_tokens_per_s", "latency_ms_p50", "latency_ms_p99",
+    "round", "system", "config", "mode", "concurrency", "output_tokens_per_s", "latency_ms_p50", "latency_ms_p99",
     "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "engine_busy_share",
     "engine_rows_per_step", "requests_successful", "requests_failed", "error",
 ]
@@ -56,7 +56,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "- Output tok/s: successful output tokens over guidellm's measured window. Request latency, TTFT and ITL "
         "(inter-token latency) percentiles in ms; TTFT and ITL only where tokens stream. For pagedserve, from its "
         "worker's metrics over the run: the engine's busy share (time in steps over the measured window) and rows "
-        "(sequences) per step.",
+        "(sequences) per step. Over several rounds, each system's fastest run per mode and concurrency is compared.",
         "", "## pagedserve against llama.cpp's best configuration", "",
         markdown_table(payload["comparisons"], COMPARISON_COLUMNS),
         "", "## Every run", "",

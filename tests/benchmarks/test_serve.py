@@ -103,6 +103,23 @@ def test_llama_cpp_best_is_the_fastest_configuration_whose_requests_all_succeede
     assert comparison["pagedserve_over_llama_cpp"] == pytest.approx(100.0 / 80.0)
 
 
+def test_rounds_repeat_the_matrix_and_record_their_number(tiny_model_dir: Path, tmp_path: Path) -> None:
+    payload = serve.main([*_pagedserve_argv(tiny_model_dir, tmp_path, SMALL_ENGINE, systems=("offline",)),
+                          "--rounds", "2"])
+    assert [(row["system"], row["round"]) for row in payload["rows"]] == [("offline", 1), ("offline", 2)]
+    assert "| round |" in (tmp_path / "serve.md").read_text()
+
+
+def test_each_systems_fastest_round_is_compared() -> None:
+    runs = [("pagedserve", 1, 100.0), ("offline", 1, 200.0), ("pagedserve", 2, 150.0), ("offline", 2, 180.0)]
+    rows = [{"system": system, "round": round_number, "mode": "offline" if system == "offline" else "non-streaming",
+             "concurrency": 8, "output_tokens_per_s": tokens_per_s, "requests_failed": 0}
+            for system, round_number, tokens_per_s in runs]
+    (comparison,) = serve.comparisons(rows)
+    assert comparison["pagedserve_output_tokens_per_s"] == 150.0 and comparison["offline_output_tokens_per_s"] == 200.0
+    assert comparison["pagedserve_over_offline"] == pytest.approx(0.75)
+
+
 def test_unknown_gguf_type_is_refused_naming_the_argument(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="outtype must be one of f32, bf16, q8_0, got 'q4_0'"):
         llama_cpp.ensure_gguf(tmp_path, cache_dir=tmp_path, outtype="q4_0")
