@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
 from kernels import cpu_ops, reference, select_backend
 from kernels.checks import HostTables
-from kernels.cpu_extension import cpu_kernels
-from kernels.cpu_features import has_amx_for
+from kernels.cpu_extension import FUNCTIONS, SOURCES, cpu_kernels
+from kernels.cpu_features import cpu_flags, has_amx_for
+
+# x86-64-v3: AVX2, FMA and F16C without AVX-512 (the kernels' one-head-per-pass path and their AVX2 conversions)
+AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
 
 def naive_decode(query, key_cache, value_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
@@ -91,6 +96,31 @@ def test_reduced_precision_caches_decode_compiled_unless_amx_multiplies_them(
     assert out.dtype == dtype
     expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def avx2_kernels() -> ModuleType:
+    """The kernels built for AVX2 alone: a machine with AVX-512 builds its own kind with -march=native, so without
+    this build its tests would never run the AVX2 code."""
+    if not AVX2_FLAGS <= cpu_flags():
+        pytest.skip(f"the CPU lacks {sorted(AVX2_FLAGS - cpu_flags())}")
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name="pagedserve_cpu_kernels_x86_64_v3_test", cpp_sources=[s.read_text() for s in SOURCES],
+                       functions=FUNCTIONS, extra_cflags=["-O3", "-march=x86-64-v3", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"])
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
+def test_the_avx2_build_decodes_like_naive_attention(avx2_kernels: ModuleType, dtype: torch.dtype,
+                                                     tolerance: float) -> None:
+    torch.manual_seed(3)
+    for context_lens, block_size, heads, kv_heads, dim in [([1, 17, 160], 16, 9, 3, 64), ([70, 3], 8, 8, 2, 128),
+                                                            ([9, 40], 8, 8, 1, 36)]:
+        query, key_cache, value_cache, tables, lens = _case(context_lens, block_size, heads, kv_heads, dim, dtype)
+        out = avx2_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.125)
+        expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
+        torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_compiled_decode_checks_its_arguments_like_the_reference() -> None:
