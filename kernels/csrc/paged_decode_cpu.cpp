@@ -11,7 +11,8 @@
 // the group's sums for a tile of up to kTile vectors of dimensions in registers across kValueChunk positions.
 // A decode step reads the cache from memory (the weights pass through the caches in between), one block
 // wherever the table put it: the rows are prefetched ahead of use, K a few chunks ahead and V during the scores.
-// Same results as one head at a time, bit for bit (every sum is taken in the same order).
+// Every sum is taken in the order of one head at a time: the same results bit for bit, but for the values past a
+// head_dim's last whole vector in fp32, which may round one ulp apart.
 // Written with GCC's vector extensions, so that one code path compiles to AVX2 or AVX-512 (8 lanes are one
 // AVX2 register, half of an AVX-512 one; Zen 4 runs 512-bit ops as two 256-bit halves anyway).
 #include <torch/extension.h>
@@ -155,6 +156,45 @@ inline void prefetch_rows(const scalar_t* const* rows, int64_t count, int64_t by
 }
 
 constexpr int64_t kValueChunk = 32;  // positions per pass of the weighted sum: their V rows stay in L1
+constexpr int64_t kPrefetchAhead = 4 * kLanes;  // how far ahead of the scores the K rows are asked for
+
+// one head's scores over ``length`` positions turned into e^(score - max), in place; returns 1 / their sum
+inline float exponentiate(float* scores, int64_t length) {
+  float top = scores[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t pos = 0; pos < length; ++pos) top = std::max(top, scores[pos]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t pos = 0; pos < length; ++pos) {
+    scores[pos] = exp_nonpositive(scores[pos] - top);
+    total += scores[pos];
+  }
+  return 1.f / total;
+}
+
+// sums[h][0, head_dim) += the NH heads' weights (rows of ``stride``) times the V values at ``offset`` of ``count``
+// positions' rows: whole tiles of kTile vectors, then the vectors left, then the values past the last vector
+template <int NH, typename scalar_t>
+void weigh_head_values(float* sums, int64_t head_dim, const float* weights, int64_t stride, int64_t count,
+                       const scalar_t* const* rows, int64_t offset) {
+  int64_t d = 0;
+  for (; d + kTile * kLanes <= head_dim; d += kTile * kLanes) {
+    weigh_values<NH, kTile>(sums + d, head_dim, weights, stride, count, rows, offset + d);
+  }
+  if (const int vectors = static_cast<int>((head_dim - d) / kLanes); vectors > 0) {
+    with_constant<kTile>(vectors, [&](auto nv) {
+      weigh_values<NH, decltype(nv)::value>(sums + d, head_dim, weights, stride, count, rows, offset + d);
+    });
+    d += vectors * kLanes;
+  }
+  for (; d < head_dim; ++d) {  // a head_dim that is no multiple of kLanes
+    for (int h = 0; h < NH; ++h) {
+      for (int64_t pos = 0; pos < count; ++pos) {
+        sums[h * head_dim + d] += weights[h * stride + pos] * to_float(rows[pos][offset + d]);
+      }
+    }
+  }
+}
 
 // for every KV head, its query heads kMaxHeads at a time: f(std::integral_constant<int, NH>, first query head,
 // KV head)
@@ -192,13 +232,14 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
         key_rows[pos] = key_cache + at;
         value_rows[pos] = value_cache + at;
       }
-      prefetch_rows(key_rows.data(), std::min(4 * kLanes, length), row_bytes);
+      prefetch_rows(key_rows.data(), std::min(kPrefetchAhead, length), row_bytes);
       const scalar_t* seq_query = query + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = to_float(seq_query[i]) * scale;
       scores.resize(num_heads * stride);
       for (int64_t first = 0; first < length; first += kLanes) {
-        if (first + 4 * kLanes < length) {  // four chunks ahead
-          prefetch_rows(key_rows.data() + first + 4 * kLanes, std::min(kLanes, length - first - 4 * kLanes), row_bytes);
+        if (first + kPrefetchAhead < length) {
+          prefetch_rows(key_rows.data() + first + kPrefetchAhead, std::min(kLanes, length - first - kPrefetchAhead),
+                        row_bytes);
         }
         prefetch_rows(value_rows.data() + first, std::min(kLanes, length - first), row_bytes);  // for the sums
         for_head_groups(num_kv_heads, group, [&](auto nh, int64_t head, int64_t kv_head) {
@@ -206,47 +247,16 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
                                                kv_head * head_dim, scores.data() + head * stride + first, stride);
         });
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* head_scores = scores.data() + h * stride;
-        float top = head_scores[0];
-#pragma omp simd reduction(max : top)
-        for (int64_t pos = 0; pos < length; ++pos) top = std::max(top, head_scores[pos]);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t pos = 0; pos < length; ++pos) {
-          head_scores[pos] = exp_nonpositive(head_scores[pos] - top);
-          total += head_scores[pos];
-        }
-        inverse_totals[h] = 1.f / total;
-      }
+      for (int64_t h = 0; h < num_heads; ++h) inverse_totals[h] = exponentiate(scores.data() + h * stride, length);
       std::fill(sums.begin(), sums.end(), 0.f);
-      const int64_t tiles = head_dim / (kTile * kLanes), rest = head_dim % (kTile * kLanes) / kLanes;
       for (int64_t first = 0; first < length; first += kValueChunk) {
         const int64_t count = std::min(kValueChunk, length - first);
+        // again for the next chunk: in a long context the scores' pass has pushed its first rows out of L2
         prefetch_rows(value_rows.data() + first + count, std::min(kValueChunk, length - first - count), row_bytes);
         for_head_groups(num_kv_heads, group, [&](auto nh, int64_t head, int64_t kv_head) {
-          constexpr int NH = decltype(nh)::value;
-          float* head_sums = sums.data() + head * head_dim;
-          const float* weights = scores.data() + head * stride + first;
-          const scalar_t* const* rows = value_rows.data() + first;
-          for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t d = t * kTile * kLanes;
-            weigh_values<NH, kTile>(head_sums + d, head_dim, weights, stride, count, rows, kv_head * head_dim + d);
-          }
-          const int64_t d = tiles * kTile * kLanes;
-          if (rest > 0) {
-            with_constant<kTile>(static_cast<int>(rest), [&](auto nv) {
-              weigh_values<NH, decltype(nv)::value>(head_sums + d, head_dim, weights, stride, count, rows,
-                                                    kv_head * head_dim + d);
-            });
-          }
-          for (int64_t dim = d + rest * kLanes; dim < head_dim; ++dim) {  // a head_dim that is no multiple of kLanes
-            for (int h = 0; h < NH; ++h) {
-              for (int64_t pos = 0; pos < count; ++pos) {
-                head_sums[h * head_dim + dim] += weights[h * stride + pos] * to_float(rows[pos][kv_head * head_dim + dim]);
-              }
-            }
-          }
+          weigh_head_values<decltype(nh)::value>(sums.data() + head * head_dim, head_dim,
+                                                 scores.data() + head * stride + first, stride, count,
+                                                 value_rows.data() + first, kv_head * head_dim);
         });
       }
       scalar_t* seq_out = out + seq * num_heads * head_dim;
