@@ -32,18 +32,24 @@ def extension_name() -> str:
     return f"pagedserve_cpu_kernels_{digest}"
 
 
+def build_kernels(name: str, sources: list[str], march: str = "native") -> ModuleType:
+    """Compile ``sources`` (the texts of ``SOURCES``, in order) as the extension ``name`` for ``-march=march``,
+    or load that build from the extension cache; raises what the build raised."""
+    from torch.utils.cpp_extension import load_inline  # setuptools and friends: only when asked for
+
+    return load_inline(
+        name=name, cpp_sources=sources, functions=FUNCTIONS,
+        # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch)
+        extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"],
+    )
+
+
 @lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (built on the first call in a machine's life, loaded after), or ``None`` with a
     warning when the build fails (no C++ compiler, no ninja)."""
-    from torch.utils.cpp_extension import load_inline  # setuptools and friends: only when asked for
-
     try:
-        return load_inline(
-            name=extension_name(), cpp_sources=[source.read_text() for source in SOURCES], functions=FUNCTIONS,
-            # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch)
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        )
+        return build_kernels(extension_name(), [source.read_text() for source in SOURCES])
     except Exception as error:  # any build failure leaves the plain-torch path, which is always there
         logger.warning("CPU kernels unavailable, decode attention stays on torch's SDPA: %s", error)
         return None

@@ -9,7 +9,7 @@ import torch
 
 from kernels import cpu_ops, reference, select_backend
 from kernels.checks import HostTables
-from kernels.cpu_extension import FUNCTIONS, SOURCES, cpu_kernels
+from kernels.cpu_extension import SOURCES, build_kernels, cpu_kernels
 from kernels.cpu_features import cpu_flags, has_amx_for
 
 # x86-64-v3: AVX2, FMA and F16C without AVX-512 (the kernels' one-head-per-pass path and their AVX2 conversions)
@@ -104,11 +104,7 @@ def avx2_kernels() -> ModuleType:
     this build its tests would never run the AVX2 code."""
     if not AVX2_FLAGS <= cpu_flags():
         pytest.skip(f"the CPU lacks {sorted(AVX2_FLAGS - cpu_flags())}")
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(name="pagedserve_cpu_kernels_x86_64_v3_test", cpp_sources=[s.read_text() for s in SOURCES],
-                       functions=FUNCTIONS, extra_cflags=["-O3", "-march=x86-64-v3", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"])
+    return build_kernels("pagedserve_cpu_kernels_x86_64_v3_test", [s.read_text() for s in SOURCES], "x86-64-v3")
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
