@@ -30,7 +30,8 @@ class Settings(BaseSettings):
     metrics_port: int = Field(9400, description="a worker's Prometheus port")
     metrics_host: str = Field("127.0.0.1", description="where a worker serves its Prometheus metrics")
     model: str = Field("smollm2-135m-instruct", description="model name or local HF folder")
-    dtype: str = Field("auto", description="weights dtype: auto, float32, bfloat16")
+    dtype: Literal["auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"] = Field(
+        "auto", description="weights dtype: auto = bf16 where the device computes it fast, else float32")
     kv_cache_memory: str | None = Field(None, description="KV cache budget on the device (default: engine's choice)")
     swap_space: ByteSize = Field(ByteSize(4 << 30), description="CPU swap pool for preempted KV blocks: GiB when a "
                                  "bare number (as vLLM), or with a unit such as 512MiB")

@@ -19,6 +19,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+DTYPE_NAMES = ("auto", *_DTYPES)  # what `dtype` accepts as a name (the service's setting lists the same)
 PREEMPTION_MODES = ("swap", "recompute")
 WEIGHT_PACKING_MODES = ("auto", "onednn", "fp16", "exact", "off")
 QUANTIZATION_MODES = ("int8",)

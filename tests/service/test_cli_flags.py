@@ -7,12 +7,14 @@ import socket
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from cli import main as cli
 from cli.flags import API_ONLY, WORKER_ONLY
 from core.settings import Settings, configure, get_settings
+from engine.config import DTYPE_NAMES
 from worker.service import engine_kwargs
 
 
@@ -113,6 +115,7 @@ def test_vllm_engine_flags_reach_the_engine(tiny_model_dir: Path) -> None:
     (["worker", "--max-model-len", "0"], "--max-model-len"),
     (["worker", "--max-model-len", "many"], "--max-model-len"),
     (["worker", "--preemption-mode", "pause"], "--preemption-mode"),
+    (["worker", "--dtype", "float8"], "--dtype"),
     (["worker", "--cuda-graph-max-batch", "0"], "--cuda-graph-max-batch"),
     (["api", "--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
     (["api", "--served-model-name"], "--served-model-name"),
@@ -121,6 +124,10 @@ def test_a_bad_flag_value_fails_at_startup_naming_the_flag(
     capsys: pytest.CaptureFixture[str], argv: list[str], flag: str
 ) -> None:
     assert flag in _refused(capsys, *argv)
+
+
+def test_the_dtype_setting_accepts_exactly_the_engines_names() -> None:
+    assert set(get_args(Settings.model_fields["dtype"].annotation)) == set(DTYPE_NAMES)
 
 
 def test_a_bad_enforce_eager_in_the_environment_fails_at_startup_naming_it(
