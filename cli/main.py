@@ -52,13 +52,14 @@ def check_startup(settings: Settings, command: str) -> None:
         if command != "api":
             from engine.model_files import resolve_model
 
-            resolve_model(settings.model, settings.cache_dir)  # converts a GGUF once (torch); the API cannot
+            folder = resolve_model(settings.model, settings.cache_dir)  # converts a GGUF once (torch); the API cannot
         prompt_model()  # max_model_len against the model's context, the tokenizer, the chat template
         if command != "api":
             from engine.config import EngineConfig
+            from engine.llm_engine import check_kv_cache_budget
             from worker.service import engine_kwargs
 
-            EngineConfig(**engine_kwargs(settings))
+            check_kv_cache_budget(EngineConfig(**engine_kwargs(settings)), folder)
     except ModelUnavailableError as exc:  # only `api` gets here: it serves, /readyz saying 503, until then
         logger.warning("%s; /readyz answers 503 and jobs are refused until then", exc.__cause__)
     except ValueError as exc:

@@ -16,6 +16,15 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def blocks_in_budget(budget: int, block_bytes: int) -> int:
+    """The KV blocks a budget of ``budget`` bytes holds; ValueError naming kv_cache_memory below two."""
+    blocks = budget // block_bytes
+    if blocks < 2:
+        raise ValueError(f"kv_cache_memory of {budget} bytes holds {blocks} blocks of {block_bytes} bytes; "
+                         "at least 2 are needed")
+    return blocks
+
+
 def default_kv_cache_bytes(device: torch.device, utilization: float) -> int:
     """The KV budget when none is given: on CUDA, as vLLM, `utilization` of the device's TOTAL memory less what
     this process already holds (the weights); on the CPU a tenth of the available memory."""

@@ -5,19 +5,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.cache_engine import CacheEngine, default_kv_cache_bytes, kv_block_bytes
+from engine.cache_engine import CacheEngine, blocks_in_budget, default_kv_cache_bytes, kv_block_bytes
 from engine.config import EngineConfig, resolve_dtype
 from engine.cuda_graphs import capture_decode_graphs, uses_cuda_graphs
 from engine.detokenizer import start_offsets
 from engine.fault_isolation import FaultIsolator
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
-from engine.models.loader import eos_token_ids, load_model
+from engine.models.llama import kv_heads_and_head_dim
+from engine.models.loader import eos_token_ids, load_config, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request_validation import ModelLimits, validate_request
@@ -33,6 +35,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_TOKEN_BUDGET = 2048
 
 StepObserver = Callable[[SchedulerOutput], None]
+
+
+def check_kv_cache_budget(config: EngineConfig, folder: Path) -> None:
+    """Fail as the engine would when ``config.kv_cache_memory`` holds fewer than two KV blocks of the model in
+    ``folder``, from its config.json alone (no weights loaded), so that a service can refuse it before serving.
+    The default budget is left to the engine: on CUDA it depends on what the weights leave."""
+    if config.kv_cache_memory is None:
+        return
+    model_config = load_config(folder)
+    num_kv_heads, head_dim = kv_heads_and_head_dim(model_config)
+    dtype = resolve_dtype(config.dtype, config.torch_device())
+    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, num_kv_heads, head_dim, dtype)
+    blocks_in_budget(int(config.kv_cache_memory), block_bytes)
 
 
 class LLMEngine:
@@ -107,13 +122,8 @@ class LLMEngine:
         budget = cfg.kv_cache_memory
         if budget is None:
             budget = default_kv_cache_bytes(self.device, cfg.gpu_memory_utilization)
-        self.num_gpu_blocks = int(budget) // block_bytes
+        self.num_gpu_blocks = blocks_in_budget(int(budget), block_bytes)
         self.num_cpu_blocks = int(cfg.swap_space) // block_bytes
-        if self.num_gpu_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds {self.num_gpu_blocks} blocks of {block_bytes} bytes; "
-                "at least 2 are needed"
-            )
         self.block_manager = BlockManager(
             cfg.block_size, self.num_gpu_blocks, self.num_cpu_blocks, cfg.watermark, cfg.enable_prefix_caching
         )

@@ -40,14 +40,20 @@ class RMSNorm(nn.Module):
         return self.weight * (hidden32 * torch.rsqrt(variance + self.eps)).to(dtype), residual_sum
 
 
+def kv_heads_and_head_dim(config: PretrainedConfig) -> tuple[int, int]:
+    """The key/value heads and the head size of a Llama-style config (what one token's KV takes per layer)."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    return num_kv_heads, getattr(config, "head_dim", None) or config.hidden_size // num_heads
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, rotary embedding and paged attention."""
 
     def __init__(self, config: PretrainedConfig, ops: KernelBackend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim

@@ -181,6 +181,12 @@ def test_an_engine_limit_fails_the_worker_at_startup(tiny_model_dir: Path) -> No
         cli.check_startup(settings, "worker")
 
 
+def test_a_kv_cache_budget_below_two_blocks_fails_the_worker_at_startup(tiny_model_dir: Path) -> None:
+    settings = _settings("worker", "--model", str(tiny_model_dir), "--kv-cache-memory", "1KiB")
+    with pytest.raises(SystemExit, match="pagedserve worker: kv_cache_memory of 1024 bytes holds 0 blocks"):
+        cli.check_startup(settings, "worker")
+
+
 def test_served_model_names_travel_as_json(tiny_model_dir: Path) -> None:
     env = cli.settings_env(_settings("up", "--served-model-name", "a", "b c"))
     assert json.loads(env["PAGEDSERVE_SERVED_MODEL_NAME"]) == ["a", "b c"]
