@@ -47,10 +47,15 @@ async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
     return _error_response(exc.status_code, exc.message, exc.field, detail, headers=exc.headers)
 
 
-async def _store_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+def store_unavailable(exc: Exception) -> ApiError:
+    """The 503 (with Retry-After) for a request the job store could not serve, logged."""
     logging.getLogger("pagedserve.api").warning("store.unavailable error=%s", exc.__class__.__name__)
     message = "the job store (database) is unavailable right now; retry in a few seconds"
-    return _error_response(503, message, None, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+    return ApiError(503, message, headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
+async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    return await _api_error(request, store_unavailable(exc))
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:

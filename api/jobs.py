@@ -33,7 +33,9 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
     try:
         if body.prompt_token_ids:  # kept as ids for the engine; the text is for reading back (echo, GET)
             num_prompt_tokens = model.check_fits_ids(body.prompt_token_ids, body.max_tokens, field_prefix + field)
-            prompt = model.tokenizer.decode(body.prompt_token_ids, skip_special_tokens=False)
+            # PostgreSQL text cannot hold NUL, which a byte token decodes to; the engine gets the ids, so the text
+            # kept for reading back shows U+FFFD there instead
+            prompt = model.tokenizer.decode(body.prompt_token_ids, skip_special_tokens=False).replace("\x00", "\ufffd")
         else:
             prompt = body.prompt if messages is None else model.render_chat(messages)
             num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field=field_prefix + field)

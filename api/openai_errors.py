@@ -10,8 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from sqlalchemy.exc import OperationalError
 
-from api.errors import ApiError
+from api.errors import ApiError, store_unavailable
 from core.openai_responses import error_object
 
 
@@ -56,8 +57,12 @@ class OpenAIRoute(APIRoute):
                 return error_response(400, message, param)
             except ApiError as exc:
                 return _api_error(exc)
+            except OperationalError as exc:
+                return _api_error(store_unavailable(exc))
             except HTTPException as exc:
                 code = "invalid_api_key" if exc.status_code == 401 else None
-                return error_response(exc.status_code, str(exc.detail), None, code)
+                response = error_response(exc.status_code, str(exc.detail), None, code)
+                response.headers.update(exc.headers or {})  # WWW-Authenticate of a 401
+                return response
 
         return openai_handler

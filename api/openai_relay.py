@@ -91,16 +91,19 @@ def _data(payload: dict[str, Any]) -> str:
 
 
 class _JobRelay:
-    """The stream chunks of one job (the job answering prompt `prompt_index` of the request)."""
+    """The stream chunks of one job (the job answering prompt `prompt_index` of the request); every chunk carries the
+    id and creation time of `response` (the request's first job), as one OpenAI response has one id."""
 
-    def __init__(self, job: Job, prompt_index: int, model: str, endpoint: str, continuous_usage: bool) -> None:
-        self.job, self.prompt_index, self.model, self.endpoint = job, prompt_index, model, endpoint
+    def __init__(self, job: Job, prompt_index: int, response: Job, model: str, endpoint: str,
+                 continuous_usage: bool) -> None:
+        self.job, self.prompt_index, self.response = job, prompt_index, response
+        self.model, self.endpoint = model, endpoint
         self.continuous_usage = continuous_usage
         self.completion_tokens = 0
         self.ok = True  # False once the job's stream ended with an error chunk
 
     def _chunk(self, choices: list[dict[str, Any]]) -> str:
-        payload = chunk(self.job, self.model, self.endpoint, choices)
+        payload = chunk(self.response, self.model, self.endpoint, choices)
         if self.continuous_usage:  # vLLM's continuous_usage_stats: counts so far in every chunk
             payload["usage"] = usage(self.job, self.completion_tokens)
         return _data(payload)
@@ -156,7 +159,7 @@ async def stream_jobs(
     usages = []
     try:
         for prompt_index, job in enumerate(jobs):
-            relay = _JobRelay(job, prompt_index, model, endpoint, continuous_usage)
+            relay = _JobRelay(job, prompt_index, jobs[0], model, endpoint, continuous_usage)
             async for line in relay.lines():
                 if await request.is_disconnected():
                     return

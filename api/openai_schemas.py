@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from api.errors import ApiError
 from api.prompts import prompt_model
@@ -37,21 +37,31 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
-class StreamOptions(BaseModel):
-    """Options of a streamed response; continuous_usage_stats (vLLM's) needs include_usage, as in vLLM."""
+class OpenAIBody(BaseModel):
+    """An OpenAI request object. OpenAI's spec marks its optional fields nullable and clients send unset ones as null,
+    so a null is the field's default, as in vLLM; a required field sent as null is missing."""
 
     model_config = _OPENAI
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {name: value for name, value in data.items() if value is not None or name not in cls.model_fields}
+
+
+class StreamOptions(OpenAIBody):
+    """Options of a streamed response; continuous_usage_stats (vLLM's) needs include_usage, as in vLLM."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(OpenAIBody):
     """Fields shared by completions and chat completions, plus vLLM's extra sampling fields."""
 
-    model_config = _OPENAI
-
-    model: str = Field(min_length=1, max_length=1024)
+    model: str | None = Field(None, min_length=1, max_length=1024, description="a served name; omitted: the first")
     n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -70,7 +80,8 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, **prompt: Any) -> JobCreate:
-        check_served_model(self.model)
+        if self.model is not None:
+            check_served_model(self.model)
         if self.stream and logprobs is not None:
             raise ApiError(400, "logprobs are not supported with stream: true; request them without streaming",
                            "logprobs")
@@ -160,19 +171,15 @@ def _prompt_field(prompt: str | list[int], field: str) -> dict[str, str | list[i
     return {"prompt_token_ids": prompt}
 
 
-class TextPart(BaseModel):
+class TextPart(OpenAIBody):
     """A text part of a message's content."""
-
-    model_config = _OPENAI
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessageIn(BaseModel):
+class ChatMessageIn(OpenAIBody):
     """One chat message as OpenAI clients send it (content as a string or text parts)."""
-
-    model_config = _OPENAI
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]

@@ -43,19 +43,22 @@ class SamplingField:
 
 
 _SEED_MAX = 2**63 - 1
+_TOKENS_MAX = 2**31 - 1
 SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
     SamplingField("n", 1, Bounds(1, 16), Bounds(1, 64)),
-    SamplingField("max_tokens", 16, Bounds(1, 32768), Bounds(1)),
+    # the model's context is the real limit (checked with the prompt, naming both); this bound only keeps the number
+    # a 32-bit int, so a long-context model's whole window can be asked for, as vLLM allows
+    SamplingField("max_tokens", 16, Bounds(1, _TOKENS_MAX), Bounds(1)),
     SamplingField("temperature", 1.0, Bounds(0.0, 10.0), Bounds(0.0)),
     SamplingField("top_p", 1.0, Bounds(0.0, 1.0, low_exclusive=True), Bounds(0.0, 1.0, low_exclusive=True)),
     SamplingField("top_k", -1, Bounds(-1, 100_000), Bounds(-1), excluded=(0,)),
     SamplingField("min_p", 0.0, Bounds(0.0, 1.0), Bounds(0.0, 1.0)),
-    # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; the job store keeps a signed 64-bit int >= 0
-    SamplingField("seed", None, Bounds(0, _SEED_MAX), Bounds(-(2**63), 2**64 - 1)),
+    # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; the service takes a signed 64-bit int, as vLLM does
+    SamplingField("seed", None, Bounds(-(2**63), _SEED_MAX), Bounds(-(2**63), 2**64 - 1)),
     SamplingField("stop", None, Bounds(), Bounds(), max_items=16),
     SamplingField("stop_token_ids", None, Bounds(0), Bounds(0), max_items=64),
     SamplingField("ignore_eos", False, Bounds(), Bounds()),
-    SamplingField("min_tokens", 0, Bounds(0, 32768), Bounds(0)),  # both also cap it at max_tokens
+    SamplingField("min_tokens", 0, Bounds(0, _TOKENS_MAX), Bounds(0)),  # both also cap it at max_tokens
     SamplingField("logprobs", None, Bounds(0, 20), Bounds(0, 20)),
     # logits are divided or multiplied by it: below 0.01 they overflow
     SamplingField("repetition_penalty", 1.0, Bounds(0.01, 10.0), Bounds(0.01, 100.0)),

@@ -29,12 +29,14 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="session")
 def api_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model folder with only what the API reads: a small BPE tokenizer, a 128-token context, a chat template."""
+    """A model folder with only what the API reads: a small byte-level BPE tokenizer (a token for each of the 256
+    bytes, as real ones have), a 128-token context, a chat template."""
     folder = tmp_path_factory.mktemp("api-model")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from api.prompts import prompt_model
 from api.schemas import JobCreate
 from core.prompts import load_prompt_model
+from core.sampling_fields import SAMPLING_FIELDS
 from core.settings import Settings
 from engine.sampling_params import SamplingParams
 
@@ -88,11 +89,12 @@ def test_a_temperature_too_small_to_divide_by_is_accepted_as_greedy(
 
 
 API_EXTREMES: list[dict[str, Any]] = [
-    {"temperature": 0.0, "top_p": 5e-324, "top_k": 1, "min_p": 1.0, "seed": 0, "repetition_penalty": 0.01,
+    {"temperature": 0.0, "top_p": 5e-324, "top_k": 1, "min_p": 1.0, "seed": -(2**63), "repetition_penalty": 0.01,
      "presence_penalty": -2.0, "frequency_penalty": -2.0, "logprobs": 0, "length_penalty": -10.0},
     {"temperature": 10.0, "top_p": 1.0, "top_k": 100_000, "min_p": 0.0, "seed": 2**63 - 1,
      "repetition_penalty": 10.0, "presence_penalty": 2.0, "frequency_penalty": 2.0, "logprobs": 20, "n": 16,
-     "max_tokens": 32768, "min_tokens": 32768, "stop_token_ids": [0]},
+     "max_tokens": SAMPLING_FIELDS["max_tokens"].service.high, "min_tokens": SAMPLING_FIELDS["min_tokens"].service.high,
+     "stop_token_ids": [0]},
     {"temperature": 1e-40, "beam_width": 16, "length_penalty": 10.0},
 ]
 
@@ -116,6 +118,20 @@ def test_a_nul_character_in_an_openai_prompt_is_400_naming_prompt(
     body = {"model": _model_id(client, auth_headers), "prompt": f"Hi{NUL}", "max_tokens": 2}
     response = client.post("/v1/completions", json=body, headers=auth_headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+def test_token_ids_that_decode_to_nul_are_accepted_and_read_back_as_replacement_characters(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    # a byte-level tokenizer has a token for byte 0 (a model may sample it too); the ids are the prompt (the engine
+    # gets them), the text is kept for reading back, where PostgreSQL cannot hold NUL
+    tokenizer = prompt_model().tokenizer
+    ids = tokenizer.encode("fox").ids + [tokenizer.token_to_id("\u0100")]  # ByteLevel's character for byte 0
+    assert tokenizer.decode(ids) == f"fox{NUL}"
+    response = client.post("/v1/jobs", json={"prompt_token_ids": ids, "max_tokens": 2}, headers=auth_headers)
+    assert response.status_code == 202, response.text
+    job = client.get(f"/v1/jobs/{response.json()['id']}", headers=auth_headers).json()
+    assert job["prompt"] == "fox\ufffd"
 
 
 def test_a_nul_character_in_a_job_id_is_404(client: TestClient, auth_headers: dict[str, str]) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import prompt_model
 from core.settings import Settings, configure
 
@@ -67,6 +71,7 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"prompt": [[1, 2], [10**6]]}, "prompt.1"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": ["fox"] * 65}, "prompt"),
+    ({"prompt": None}, "prompt"),  # a required field sent as null is missing
 ])
 def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
@@ -74,6 +79,49 @@ def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     body = {"model": "tiny", "prompt": "fox", **extra}
     error = _error(client.post("/v1/completions", json=body, headers=auth_headers))
     assert error["param"] == param and param.split(".")[0] in error["message"] + error["param"]
+
+
+def _every_optional_field_null(schema: type[CompletionRequest] | type[ChatCompletionRequest]) -> dict[str, None]:
+    return {name: None for name, field in schema.model_fields.items() if not field.is_required()}
+
+
+@pytest.mark.parametrize(("schema", "given"), [
+    (CompletionRequest, {"model": "tiny", "prompt": "fox"}),
+    (ChatCompletionRequest, {"model": "tiny", "messages": [{"role": "user", "content": "fox", "name": None}]}),
+])
+def test_a_null_optional_field_is_its_default_as_openais_nullable_fields_are(
+    schema: type[CompletionRequest] | type[ChatCompletionRequest], given: dict[str, Any]
+) -> None:
+    def jobs(body: dict[str, Any]) -> list[Any]:
+        request = schema.model_validate(body)
+        return request.to_jobs() if isinstance(request, CompletionRequest) else [request.to_job()]
+
+    assert jobs({**_every_optional_field_null(schema), **given}) == jobs(given)
+    options = schema.model_validate({**given, "stream": True, "stream_options": {"include_usage": None}})
+    assert options.stream_options is not None and options.stream_options.include_usage is False
+
+
+def test_without_a_model_the_served_model_answers(client: TestClient, auth_headers: dict[str, str]) -> None:
+    # vLLM's model field is optional; OpenAI's own clients always send one
+    assert CompletionRequest(prompt="fox").to_jobs() == CompletionRequest(model="tiny", prompt="fox").to_jobs()
+    error = _error(client.post("/v1/completions", json={"prompt": "fox", "suffix": "!"}, headers=auth_headers))
+    assert error["param"] == "suffix"  # reached the request's own checks, past the model
+
+
+def test_a_chat_without_max_tokens_may_fill_a_context_past_32k_tokens(
+    service_settings: Settings, api_model_dir: Path, tmp_path: Path
+) -> None:
+    long_model = tmp_path / "long-context"
+    shutil.copytree(api_model_dir, long_model)
+    (long_model / "config.json").write_text(json.dumps({"max_position_embeddings": 131_072}))
+    configure(service_settings.model_copy(update={"model": str(long_model), "max_model_len": None}))
+    try:
+        messages = [{"role": "user", "content": "the quick brown fox"}]
+        rest_of_context = ChatCompletionRequest(messages=messages).to_job().max_tokens
+        explicit = ChatCompletionRequest(messages=messages, max_tokens=100_000).to_job().max_tokens
+    finally:
+        configure(service_settings)
+    assert 131_072 - 64 < rest_of_context < 131_072 and explicit == 100_000
 
 
 def test_token_ids_past_the_vocabulary_are_refused_naming_the_id(
@@ -100,11 +148,11 @@ def test_tokenize_renders_messages_through_the_chat_template(
     with_prompt = client.post("/tokenize", json={"messages": messages}, headers=auth_headers).json()
     without = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False},
                           headers=auth_headers).json()
-    def text(tokens: list[int]) -> str:  # this tokenizer has no newline token: the template's newlines drop out
+    def text(tokens: list[int]) -> str:
         return client.post("/detokenize", json={"tokens": tokens}, headers=auth_headers).json()["prompt"]
 
-    assert text(with_prompt["tokens"]) == "<|im_start|>userthe fox<|im_end|><|im_start|>assistant"
-    assert text(without["tokens"]) == "<|im_start|>userthe fox<|im_end|>"
+    assert text(with_prompt["tokens"]) == "<|im_start|>user\nthe fox<|im_end|>\n<|im_start|>assistant\n"
+    assert text(without["tokens"]) == "<|im_start|>user\nthe fox<|im_end|>\n"
 
 
 @pytest.mark.parametrize(("route", "body", "param"), [
@@ -121,6 +169,12 @@ def test_bad_tokenizer_requests_are_400_naming_the_field(
 
 def test_tokenize_needs_an_api_key(client: TestClient) -> None:
     assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_a_completion_without_an_api_key_is_401_with_the_bearer_challenge(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
+    assert response.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_tokenize_for_an_unknown_model_is_404(client: TestClient, auth_headers: dict[str, str]) -> None:

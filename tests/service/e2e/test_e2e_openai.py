@@ -217,6 +217,7 @@ def test_a_list_of_prompts_streams_every_choice(live_api: str, auth_headers: dic
     choices = [choice for c in chunks for choice in c["choices"]]
     assert sorted(c["index"] for c in choices if c["finish_reason"]) == [0, 1, 2, 3]
     assert {c["index"] for c in choices if c["text"]} == {0, 1, 2, 3}
+    assert len({(c["id"], c["created"]) for c in chunks}) == 1  # one response, one id, as OpenAI's
 
 
 def test_token_id_prompts_complete_like_their_text(

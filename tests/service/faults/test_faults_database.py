@@ -42,12 +42,16 @@ def test_api_answers_503_while_postgres_is_down_and_recovers(
     try:
         down = [client.get("/v1/jobs", headers=auth_headers),
                 client.post("/v1/jobs", json={"prompt": "Now?", "max_tokens": 2}, headers=auth_headers)]
+        openai = client.post("/v1/completions", json={"prompt": "Now?", "max_tokens": 2}, headers=auth_headers)
         ready = client.get("/readyz")
     finally:
         private_postgres.start()
     assert [r.status_code for r in down] == [503, 503]
     assert all(r.headers["Retry-After"] == "5" for r in down)
     assert "job store (database) is unavailable" in down[0].json()["error"]["message"]
+    assert openai.status_code == 503 and openai.headers["Retry-After"] == "5"  # in OpenAI's error shape
+    assert "job store (database) is unavailable" in openai.json()["error"]["message"]
+    assert openai.json()["error"]["type"] and "detail" not in openai.json()
     assert ready.status_code == 503 and ready.json()["database"].startswith("error")
     job = client.get(f"/v1/jobs/{accepted.json()['id']}", headers=auth_headers)
     assert job.status_code == 200 and job.json()["status"] == "queued"
