@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from api.errors import ApiError
 from api.prompts import prompt_model
-from api.schemas import JobCreate, MetadataValue
+from api.schemas import JobCreate, MetadataValue, NulFreeStr
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
+from core.sampling_fields import SAMPLING_FIELDS
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
 _OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -35,6 +37,27 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
                 if isinstance(item, BaseModel):
                     names += ignored_fields(item, f"{prefix}{name}.{i}.")
     return names
+
+
+def bounded_as(job_field: str) -> Any:
+    """An optional OpenAI field bounded as the job field it becomes, so that its error names the OpenAI field."""
+    bounds = SAMPLING_FIELDS[job_field].service
+    return Field(None, ge=bounds.low, le=bounds.high)
+
+
+_JOB_FIELD = re.compile(r"(?:jobs\.(\d+)\.)?(.+)")  # a job field, prefixed with its index in a batch of jobs
+
+
+def openai_named(error: ApiError) -> ApiError:
+    """A job's creation error with the field named as the OpenAI request names it: a prompt given as text or ids is
+    `prompt`, prompt i of several `prompt.i`; the other fields are the request's own, shared by every prompt."""
+    match = _JOB_FIELD.fullmatch(error.field or "")
+    if match is None:
+        return error
+    index, name = match.groups()
+    if name in ("prompt", "prompt_token_ids"):
+        name = "prompt" if index is None else f"prompt.{index}"
+    return ApiError(error.status_code, error.message.replace(error.field or "", name), name, error.headers)
 
 
 class OpenAIBody(BaseModel):
@@ -69,7 +92,7 @@ class OpenAIRequest(OpenAIBody):
     top_p: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = Field(None, max_length=256)
+    user: NulFreeStr | None = Field(None, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int = -1
@@ -112,8 +135,8 @@ class CompletionRequest(OpenAIRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt_count(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
-        if isinstance(value, list) and not value:
-            raise ValueError("must not be empty")
+        if isinstance(value, list) and (not value or any(isinstance(item, list) and not item for item in value)):
+            raise ValueError("must not be empty, nor hold an empty list of token ids")
         if isinstance(value, list) and not isinstance(value[0], int) and len(value) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}; use the Batch API")
         return value
@@ -195,10 +218,10 @@ class ChatCompletionRequest(OpenAIRequest):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = bounded_as("max_tokens")
+    max_completion_tokens: int | None = bounded_as("max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = bounded_as("logprobs")
 
     def to_job(self) -> JobCreate:
         """The job that answers this request; without a token limit it may fill the rest of the context."""

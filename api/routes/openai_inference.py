@@ -10,10 +10,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentKey, DbSession
+from api.errors import ApiError
 from api.jobs import create_job, create_jobs
 from api.openai_errors import OpenAIRoute
 from api.openai_relay import failure, stream_jobs, wait_for_jobs
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest, ignored_fields, openai_named
 from api.prompts import prompt_model
 from api.schemas import JobCreate
 from core.models import Job, utcnow
@@ -35,8 +36,13 @@ def list_models(key: CurrentKey) -> dict[str, Any]:
 
 
 def _create(session: DbSession, key: CurrentKey, bodies: list[JobCreate]) -> list[Job]:
-    # one prompt keeps its field names ("prompt"); several are accepted together or not at all
-    return [create_job(session, key, bodies[0], None)[0]] if len(bodies) == 1 else create_jobs(session, key, bodies)
+    # several prompts are accepted together or not at all; errors name the request's fields, not the jobs'
+    try:
+        if len(bodies) == 1:
+            return [create_job(session, key, bodies[0], None)[0]]
+        return create_jobs(session, key, bodies)
+    except ApiError as exc:
+        raise openai_named(exc) from exc
 
 
 async def _answer(

@@ -68,10 +68,14 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"best_of": 3}, "best_of"),
     ({"echo": True, "logprobs": 1}, "echo"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": [[5], []]}, "prompt"),
     ({"prompt": [[1, 2], [10**6]]}, "prompt.1"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": ["fox"] * 65}, "prompt"),
     ({"prompt": None}, "prompt"),  # a required field sent as null is missing
+    ({"prompt": [5] * 200}, "prompt"),  # token ids past the 128-token context: the request's field, not the job's
+    ({"prompt": ["fox", "fox " * 200]}, "prompt.1"),
+    ({"prompt": [[5], [5] * 200]}, "prompt.1"),
 ])
 def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
@@ -79,10 +83,25 @@ def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     body = {"model": "tiny", "prompt": "fox", **extra}
     error = _error(client.post("/v1/completions", json=body, headers=auth_headers))
     assert error["param"] == param and param.split(".")[0] in error["message"] + error["param"]
+    assert "jobs." not in error["message"] and "prompt_token_ids" not in error["message"]
 
 
 def _every_optional_field_null(schema: type[CompletionRequest] | type[ChatCompletionRequest]) -> dict[str, None]:
     return {name: None for name, field in schema.model_fields.items() if not field.is_required()}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"user": "a\u0000b"}, "user"),
+])
+def test_invalid_chat_input_is_400_naming_the_field_the_client_sent(
+    client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "fox"}], **extra}
+    error = _error(client.post("/v1/chat/completions", json=body, headers=auth_headers))
+    assert error["param"] == param and param in error["message"]
 
 
 @pytest.mark.parametrize(("schema", "given"), [
