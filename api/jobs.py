@@ -18,7 +18,7 @@ from api.schemas import JobCreate
 from core import streams
 from core.lifecycle import job_created, transition
 from core.models import ApiKey, Job, JobStatus
-from core.prompts import TokenIdError
+from core.prompts import PromptTooLongError, TokenIdError
 from core.settings import get_settings
 from core.webhook_urls import check_webhook_url
 
@@ -32,13 +32,17 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
     field = "messages" if messages else "prompt_token_ids" if body.prompt_token_ids else "prompt"
     try:
         if body.prompt_token_ids:  # kept as ids for the engine; the text is for reading back (echo, GET)
-            num_prompt_tokens = model.check_fits_ids(body.prompt_token_ids, body.max_tokens, field_prefix + field)
+            num_prompt_tokens = model.check_fits_ids(body.prompt_token_ids, body.max_tokens, field_prefix + field,
+                                                     field_prefix + "max_tokens")
             # PostgreSQL text cannot hold NUL, which a byte token decodes to; the engine gets the ids, so the text
             # kept for reading back shows U+FFFD there instead
             prompt = model.tokenizer.decode(body.prompt_token_ids, skip_special_tokens=False).replace("\x00", "\ufffd")
         else:
             prompt = body.prompt if messages is None else model.render_chat(messages)
-            num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field=field_prefix + field)
+            num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field_prefix + field,
+                                                 field_prefix + "max_tokens")
+    except PromptTooLongError as exc:
+        raise ApiError(422, str(exc), exc.field) from exc
     except ValueError as exc:
         raise ApiError(422, str(exc), field_prefix + field) from exc
     try:

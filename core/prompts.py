@@ -17,7 +17,12 @@ from core.settings import get_settings
 
 
 class PromptTooLongError(ValueError):
-    """The prompt plus max_tokens does not fit the model's context window."""
+    """The prompt plus max_tokens does not fit the model's context window; `field` is the one to blame: the prompt
+    when it leaves no room for a single token, else max_tokens."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class TokenIdError(ValueError):
@@ -57,18 +62,22 @@ class PromptModel:
         if bad is not None:
             raise TokenIdError(f"{field}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
 
-    def check_fits(self, prompt: str, max_tokens: int, field: str = "prompt") -> int:
+    def check_fits(self, prompt: str, max_tokens: int, field: str = "prompt", max_tokens_field: str = "max_tokens",
+                   ) -> int:
         """The prompt's token count; PromptTooLongError past the context, TokenIdError for ids past the vocabulary."""
-        return self.check_fits_ids(self.tokenizer.encode(prompt).ids, max_tokens, field)
+        return self.check_fits_ids(self.tokenizer.encode(prompt).ids, max_tokens, field, max_tokens_field)
 
-    def check_fits_ids(self, token_ids: list[int], max_tokens: int, field: str = "prompt") -> int:
+    def check_fits_ids(self, token_ids: list[int], max_tokens: int, field: str = "prompt",
+                       max_tokens_field: str = "max_tokens") -> int:
         """``check_fits`` for a prompt given as token ids."""
         self.check_token_ids(token_ids, field)
         num_tokens = len(token_ids)
         if num_tokens + max_tokens > self.max_model_len:
+            room = self.max_model_len - num_tokens
+            blamed, hint = (field, "") if room < 1 else (max_tokens_field, f"; max_tokens can be at most {room}")
             raise PromptTooLongError(
-                f"{field}: {num_tokens} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                f"context of {self.max_model_len} tokens"
+                f"{blamed}: {num_tokens} prompt tokens + max_tokens {max_tokens} exceed the model's "
+                f"context of {self.max_model_len} tokens{hint}", blamed,
             )
         return num_tokens
 

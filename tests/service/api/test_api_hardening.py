@@ -38,6 +38,22 @@ def test_vocab_size_comes_from_the_model_config(api_model_dir: Path, tmp_path: P
         model.check_token_ids([0, 64], "stop_token_ids")
 
 
+@pytest.mark.parametrize(("body", "field"), [
+    ({"prompt": "the fox", "max_tokens": 10**9}, "max_tokens"),  # the prompt fits: asking too much is the fault
+    ({"prompt_token_ids": [5] * 100, "max_tokens": 29}, "max_tokens"),
+    ({"prompt_token_ids": [5] * 128, "max_tokens": 1}, "prompt_token_ids"),  # no room left for one token
+    ({"prompt": "fox " * 200, "max_tokens": 1}, "prompt"),
+])
+def test_past_the_context_the_field_to_blame_is_named(
+    client: TestClient, auth_headers: dict[str, str], body: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/jobs", json=body, headers=auth_headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field and "context of 128 tokens" in response.json()["error"]["message"]
+    batch = client.post("/v1/jobs/batch", json={"jobs": [{"prompt": "Hi"}, body]}, headers=auth_headers)
+    assert batch.status_code == 422 and batch.json()["error"]["field"] == f"jobs.1.{field}"
+
+
 def test_the_reported_stop_token_attack_is_422_naming_stop_token_ids(
     client: TestClient, auth_headers: dict[str, str]
 ) -> None:

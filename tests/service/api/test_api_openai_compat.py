@@ -76,6 +76,7 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"prompt": [5] * 200}, "prompt"),  # token ids past the 128-token context: the request's field, not the job's
     ({"prompt": ["fox", "fox " * 200]}, "prompt.1"),
     ({"prompt": [[5], [5] * 200]}, "prompt.1"),
+    ({"prompt": ["fox", "fox"], "max_tokens": 10**6}, "max_tokens"),  # the prompts fit; max_tokens is too large
 ])
 def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
