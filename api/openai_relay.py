@@ -23,6 +23,7 @@ from core.openai_responses import (
     choice_index,
     chunk,
     delta_choice,
+    delta_logprobs,
     echoed_prompt,
     error_object,
     final_choices,
@@ -99,6 +100,8 @@ class _JobRelay:
         self.job, self.prompt_index, self.response = job, prompt_index, response
         self.model, self.endpoint = model, endpoint
         self.continuous_usage = continuous_usage
+        self.num_top_logprobs: int | None = job.params.get("logprobs")
+        self.text_offsets: dict[int, int] = {}  # per choice: the text length its streamed tokens' logprobs cover
         self.completion_tokens = 0
         self.ok = True  # False once the job's stream ended with an error chunk
 
@@ -111,6 +114,17 @@ class _JobRelay:
     def _error(self, status_code: int, message: str) -> str:
         self.ok = False
         return _data({"error": error_object(status_code, message, None)})
+
+    def _token_choice(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """The chunk choice of a token delta, with its tokens' logprobs where the request asked for them."""
+        choice = delta_choice(self.endpoint, choice_index(self.job, self.prompt_index, delta["index"]), delta["text"])
+        if self.num_top_logprobs is not None and delta.get("logprobs"):
+            offset = self.text_offsets.get(delta["index"], 0)
+            logprobs = delta_logprobs(self.endpoint, delta, self.num_top_logprobs, offset)
+            choice["logprobs"] = logprobs
+            if "tokens" in logprobs:  # a completion's: the next chunk's text_offset starts past these tokens
+                self.text_offsets[delta["index"]] = offset + sum(len(token) for token in logprobs["tokens"])
+        return choice
 
     async def lines(self) -> AsyncIterator[str]:
         """Opening chunks (chat role, echoed prompt), one chunk per token delta, then the closing chunk."""
@@ -126,10 +140,9 @@ class _JobRelay:
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TokenEvent):
                     self.completion_tokens += len(event.delta["token_ids"])
-                    if not event.delta["text"]:  # a token that ends mid-character adds no text yet
-                        continue
-                    index = choice_index(self.job, self.prompt_index, event.delta["index"])
-                    yield self._chunk([delta_choice(self.endpoint, index, event.delta["text"])])
+                    if not event.delta["text"] and not event.delta.get("logprobs"):
+                        continue  # a token that ends mid-character adds no text yet
+                    yield self._chunk([self._token_choice(event.delta)])
                 elif isinstance(event, RestartEvent):
                     # streamed text cannot be taken back: end this stream, the job itself runs on
                     yield self._error(503, f"job {self.job.id} restarted after a worker failure; "

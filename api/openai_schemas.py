@@ -105,9 +105,6 @@ class OpenAIRequest(OpenAIBody):
     def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, **prompt: Any) -> JobCreate:
         if self.model is not None:
             check_served_model(self.model)
-        if self.stream and logprobs is not None:
-            raise ApiError(400, "logprobs are not supported with stream: true; request them without streaming",
-                           "logprobs")
         sampling = self.model_dump(include={
             "n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",

@@ -89,9 +89,9 @@ def _steps(choice: dict[str, Any], num_top: int) -> list[tuple[str, float, list[
     return steps
 
 
-def _completion_logprobs(choice: dict[str, Any], num_top: int) -> dict[str, Any]:
+def _completion_logprobs(choice: dict[str, Any], num_top: int, offset: int = 0) -> dict[str, Any]:
     steps = _steps(choice, num_top)
-    offsets, offset = [], 0
+    offsets = []
     for token, _, _ in steps:
         offsets.append(offset)
         offset += len(token)
@@ -110,6 +110,14 @@ def _chat_logprobs(choice: dict[str, Any], num_top: int) -> dict[str, Any]:
     content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
                for token, lp, top in _steps(choice, num_top)]
     return {"content": content, "refusal": None}
+
+
+def delta_logprobs(endpoint: str, delta: dict[str, Any], num_top: int, text_offset: int) -> dict[str, Any]:
+    """The logprobs of a stream chunk's new tokens (`delta`: token_ids and their logprobs); a completion's
+    text_offset counts on from `text_offset`, the length of the tokens streamed before."""
+    if endpoint == CHAT_COMPLETIONS:
+        return _chat_logprobs(delta, num_top)
+    return _completion_logprobs(delta, num_top, text_offset)
 
 
 def completion_body(job: Job, model: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from core.models import Job, JobStatus, utcnow
 from worker import drain, heartbeat
 from worker.cancel_watch import Stop, cancel_watcher
 from worker.engine_service import EngineService, RequestHandle
-from worker.token_stream import request_id_for
+from worker.token_stream import request_id_for, stored_logprobs
 
 logger = logging.getLogger("pagedserve.worker")
 
@@ -50,7 +50,7 @@ def _choices(output: Any) -> list[dict[str, Any]]:
             "text": c.text,
             "token_ids": list(c.token_ids),
             "finish_reason": c.finish_reason,
-            "logprobs": [{str(k): v for k, v in step.items()} for step in c.logprobs] if c.logprobs else None,
+            "logprobs": stored_logprobs(c.logprobs) if c.logprobs else None,
         }
         for c in output.outputs
     ]

@@ -31,6 +31,11 @@ def job_id_of(request_id: str) -> str:
     return request_id.rsplit(ATTEMPT_SEPARATOR, 1)[0]
 
 
+def stored_logprobs(steps: list[dict[int, float]]) -> list[dict[str, float]]:
+    """Each token's logprobs ({token id: logprob}, the sampled token among them) as JSON keeps them: ids as text."""
+    return [{str(token_id): logprob for token_id, logprob in step.items()} for step in steps]
+
+
 @dataclass(slots=True)
 class StreamProgress:
     """What a request has streamed so far, per completion index."""
@@ -39,17 +44,21 @@ class StreamProgress:
     token_counts: dict[int, int] = field(default_factory=dict)
 
     def deltas(self, output: Any) -> list[dict[str, Any]]:
-        """New text and token ids since the last output, one entry per completion that grew."""
+        """New text and token ids (and their logprobs, when the request asked for them) since the last output, one
+        entry per completion that grew."""
         deltas = []
         for completion in output.outputs:
             text_seen = len(self.texts.get(completion.index, ""))
             tokens_seen = self.token_counts.get(completion.index, 0)
             if len(completion.token_ids) > tokens_seen or len(completion.text) > text_seen:
-                deltas.append({
+                delta = {
                     "index": completion.index,
                     "text": completion.text[text_seen:],
                     "token_ids": list(completion.token_ids[tokens_seen:]),
-                })
+                }
+                if completion.logprobs is not None:
+                    delta["logprobs"] = stored_logprobs(completion.logprobs[tokens_seen:])
+                deltas.append(delta)
             self.texts[completion.index] = completion.text
             self.token_counts[completion.index] = len(completion.token_ids)
         return deltas

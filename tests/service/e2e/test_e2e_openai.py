@@ -109,6 +109,33 @@ def test_streamed_text_and_usage_equal_the_non_streamed_ones_for_the_same_seed(
     assert all(c.usage is None for c in plain)
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_logprobs_equal_the_non_streamed_ones(openai_client: openai.OpenAI, model: str, endpoint: str) -> None:
+    # vLLM streams logprobs too: each chunk carries those of its tokens (a completion's text_offset counting on)
+    if endpoint == "chat":
+        create = openai_client.chat.completions.create
+        params = {"model": model, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 12,
+                  "temperature": 0.0, "logprobs": True, "top_logprobs": 2}
+        whole = create(**params).choices[0].logprobs.content
+        chunks = [c for c in create(**params, stream=True) if c.choices and c.choices[0].logprobs]
+        streamed = [entry for c in chunks for entry in c.choices[0].logprobs.content]
+        assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == \
+            [(e.token, [t.token for t in e.top_logprobs]) for e in whole]
+        # the two runs batch differently, so the sums may round differently
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    else:
+        create = openai_client.completions.create
+        params = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.0, "logprobs": 2}
+        whole = create(**params).choices[0].logprobs
+        chunks = [c.choices[0].logprobs for c in create(**params, stream=True) if c.choices and c.choices[0].logprobs]
+        for name in ("tokens", "text_offset"):
+            assert [v for chunk in chunks for v in getattr(chunk, name)] == getattr(whole, name), name
+        assert [v for chunk in chunks for v in chunk.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-4)
+        top_tokens = [list(top) for chunk in chunks for top in chunk.top_logprobs]
+        assert top_tokens == [list(top) for top in whole.top_logprobs]
+    assert len(chunks) > 1 and len(whole if endpoint == "chat" else whole.tokens) == 12
+
+
 def test_stream_ends_with_done(live_api: str, auth_headers: dict[str, str], model: str) -> None:
     body = {"model": model, "prompt": "Hi", "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{live_api}/v1/completions", json=body, headers=auth_headers, timeout=60) as r:

@@ -119,6 +119,20 @@ def test_token_publisher_sends_every_jobs_new_tokens_and_survives_a_redis_outage
     publish([output("job-b#2", "Hi!", [7, 8])])  # logged, not raised: the engine thread goes on
 
 
+def test_token_publisher_sends_the_logprobs_of_the_new_tokens_where_asked_for(service_settings: Settings) -> None:
+    def output(token_ids: list[int], logprobs: list[dict[int, float]]) -> RequestOutput:
+        completion = CompletionOutput(0, "x" * len(token_ids), token_ids, logprobs=logprobs)
+        return RequestOutput("job-lp#1", None, [1], [completion], False)
+
+    redis = streams.redis_client()
+    redis.delete(streams.events_key("job-lp"))
+    publish = TokenPublisher()
+    publish([output([5], [{5: -0.5, 9: -1.5}])])
+    publish([output([5, 6, 7], [{5: -0.5, 9: -1.5}, {6: -0.25}, {7: -2.0, 5: -0.75}])])
+    events = [json.loads(f["data"]) for _, f in redis.xrange(streams.events_key("job-lp"))]
+    assert [e["logprobs"] for e in events] == [[{"5": -0.5, "9": -1.5}], [{"6": -0.25}, {"7": -2.0, "5": -0.75}]]
+
+
 def test_start_building_loads_the_engine_on_the_thread_that_steps_it_and_raises_what_the_build_raised(
     service_model_dir: Path,
 ) -> None:
