@@ -11,7 +11,7 @@ from api.errors import ApiError
 from api.jobs import build_job
 from api.openai_errors import validation_errors
 from api.openai_files import jsonl_lines
-from api.openai_schemas import REQUEST_SCHEMAS
+from api.openai_schemas import REQUEST_SCHEMAS, openai_named
 from core.models import ApiKey, Job
 from core.openai_responses import error_object
 from core.settings import get_settings
@@ -75,5 +75,6 @@ def build_line(key: ApiKey, number: int, line: dict[str, Any], endpoint: str, ba
         message, param = validation_errors(list(exc.errors()))
         return BatchLine(number, custom_id, None, error_object(400, message, param))
     except ApiError as exc:
-        return BatchLine(number, custom_id, None, error_object(400, exc.message, exc.field))
+        named = openai_named(exc)  # as the endpoint names the field
+        return BatchLine(number, custom_id, None, error_object(400, named.message, named.field))
     return BatchLine(number, custom_id, job, None)

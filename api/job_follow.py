@@ -55,7 +55,8 @@ def load_job(job_id: str) -> Job:
 def _replayed_tokens(job: Job) -> list[TokenEvent]:
     # The event stream expired (or Redis lost it): the stored output stands in for its tokens.
     return [
-        TokenEvent({"index": c["index"], "text": c["text"], "token_ids": c["token_ids"]})
+        TokenEvent({"index": c["index"], "text": c["text"], "token_ids": c["token_ids"]}
+                   | ({"logprobs": c["logprobs"]} if c.get("logprobs") is not None else {}))
         for c in job.output or []
     ]
 

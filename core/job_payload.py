@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.models import JobStatus
 
+# A failed job's error starts with this when the engine refused the request itself (it can never run: too many
+# KV blocks, parameters the engine refuses): the client's to change, so OpenAI routes answer 400, not 500.
+REFUSED = "refused: "
+
 
 class Choice(BaseModel):
     """One generated completion of a job."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from core.job_payload import REFUSED
 from core.models import Job, JobStatus
 from core.prompts import configured_prompt_model
 from core.settings import get_settings
@@ -47,7 +48,8 @@ def job_failure(job: Job) -> JobFailure | None:
         return None
     if job.status is JobStatus.cancelled:
         return JobFailure(409, f"job {job.id} was cancelled before it finished")
-    return JobFailure(500, f"job {job.id} failed: {job.error}")
+    status_code = 400 if (job.error or "").startswith(REFUSED) else 500
+    return JobFailure(status_code, f"job {job.id} failed: {job.error}")
 
 
 def _created(job: Job) -> int:

@@ -4,7 +4,7 @@ the engine accepts.
 `api/schemas.py` builds its fields from it; the engine (`engine/sampling_params.py`, which stands on nothing of the
 service) and the OpenAI schemas are tested against it (tests/test_sampling_fields.py). The service's ranges lie
 inside the engine's: what the API accepts, a worker can run; the engine's are wider where the offline `LLM` allows
-more (64 completions, repetition penalties up to 100, negative seeds).
+more (64 completions, repetition penalties up to 100, seeds up to 2**64 - 1).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from sqlalchemy import update
 
 from core import streams
 from core.db import session_factory
+from core.job_payload import REFUSED
 from core.lifecycle import transition
 from core.logging import log_event
 from core.models import Job, JobStatus, utcnow
@@ -80,7 +81,7 @@ def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> No
     try:
         params = sampling_params_cls(**job.params)
     except (TypeError, ValueError) as exc:
-        _finish(job, JobStatus.failed, error=f"invalid sampling parameters: {exc}")
+        _finish(job, JobStatus.failed, error=f"{REFUSED}invalid sampling parameters: {exc}")
         return
     request_id = request_id_for(job_id, job.attempts)
     if job.attempts > 1:  # a redelivered job starts over: its stream must not mix two attempts
@@ -101,8 +102,8 @@ def _follow(job: Job, handle: RequestHandle) -> None:
         if item is Stop.DRAIN_OVERDUE:  # shutting down and out of grace: another worker runs it from the start
             drain.requeue(job)
             return
-        if isinstance(item, Exception):
-            _finish(job, JobStatus.failed, error=str(item))
+        if isinstance(item, Exception):  # the engine service hands back a ValueError for a request it refused
+            _finish(job, JobStatus.failed, error=f"{REFUSED}{item}" if isinstance(item, ValueError) else str(item))
             return
         # the engine service's token sink has published the tokens; this thread records milestones
         if not first_token_seen and any(c.token_ids for c in item.outputs):

@@ -98,6 +98,18 @@ def test_events_fall_back_to_the_stored_output_when_the_stream_is_gone(
     assert events[-1][0] == "done"
 
 
+def test_the_stored_output_stands_in_with_its_logprobs(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    _start(job_id)
+    logprobs = [{"7": -0.5, "3": -1.5}, {"8": -0.25}]
+    output = [{"index": 0, "text": "xy", "token_ids": [7, 8], "finish_reason": "length", "logprobs": logprobs}]
+    with session_factory()() as session:
+        transition(session, job_id, JobStatus.succeeded, {JobStatus.running}, output=output, completion_tokens=2)
+    streams.redis_client().delete(streams.events_key(job_id))
+    events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
+    assert events[0] == ("token", {"index": 0, "text": "xy", "token_ids": [7, 8], "logprobs": logprobs})
+
+
 def test_events_of_a_cancelled_queued_job_end_at_once(client: TestClient, auth_headers: dict[str, str]) -> None:
     job_id = _submit(client, auth_headers)
     client.post(f"/v1/jobs/{job_id}/cancel", headers=auth_headers)

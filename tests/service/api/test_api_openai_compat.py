@@ -12,8 +12,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from api.batch_input import build_line
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import prompt_model
+from core.models import ApiKey
+from core.openai_responses import COMPLETIONS
 from core.settings import Settings, configure
 
 ALIASES = ["tiny", "tiny-chat"]
@@ -142,6 +145,12 @@ def test_a_chat_without_max_tokens_may_fill_a_context_past_32k_tokens(
     finally:
         configure(service_settings)
     assert 131_072 - 64 < rest_of_context < 131_072 and explicit == 100_000
+
+
+def test_a_batch_line_names_the_field_as_its_endpoint_would(client: TestClient) -> None:
+    line = {"custom_id": "a", "body": {"model": "tiny", "prompt": [5] * 200}}  # past the 128-token context
+    result = build_line(ApiKey(id="key_batch_test"), 1, line, COMPLETIONS, "batch_test")
+    assert result.job is None and result.error is not None and result.error["param"] == "prompt"
 
 
 def test_token_ids_past_the_vocabulary_are_refused_naming_the_id(

@@ -11,6 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from core.db import session_factory
+from core.models import Job
+from core.openai_responses import job_failure
 from core.settings import Settings
 from engine import LLMEngine, SamplingParams
 from tests.agreement import Sample, assert_agree_up_to_rounding
@@ -73,3 +76,6 @@ def test_a_request_that_can_never_fit_fails_with_a_clear_error(
     never, fits = _run_all(service_settings, auth_headers, small_service, bodies)
     assert never["status"] == "failed" and "KV blocks but kv_cache_memory holds" in never["error"]
     assert fits["status"] == "succeeded"
+    with session_factory()() as session:  # the client's to change: OpenAI routes answer it with a 400
+        failures = [job_failure(session.get(Job, job["id"])) for job in (never, fits)]
+    assert failures[0] is not None and failures[0].status_code == 400 and failures[1] is None
