@@ -28,7 +28,8 @@ MAX_BULK_IDS = 500  # jobs one GET /v1/jobs?ids=... reads, as many as its larges
 def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
     """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context."""
     model = prompt_model()
-    messages = [m.model_dump() for m in body.messages] if body.messages else None
+    # unset tool fields stay out: chat templates test for the keys ('tool_calls' in message), not their values
+    messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
     field = "messages" if messages else "prompt_token_ids" if body.prompt_token_ids else "prompt"
     try:
         if body.prompt_token_ids:  # kept as ids for the engine; the text is for reading back (echo, GET)

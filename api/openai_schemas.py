@@ -198,17 +198,48 @@ class TextPart(OpenAIBody):
     text: str
 
 
+class ToolCallFunction(OpenAIBody):
+    """The function an assistant's tool call named, with its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBody):
+    """A tool call of an earlier assistant turn, as a tool-using client sends its history back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessageIn(OpenAIBody):
-    """One chat message as OpenAI clients send it (content as a string or text parts)."""
+    """One chat message as OpenAI clients send it (content as a string or text parts); a tool-using conversation's
+    history too: assistant turns with tool_calls (content may then be null) and tool results (role tool)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def as_job_message(self) -> dict[str, str]:
-        """The message as the job store keeps it (developer counts as system)."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @model_validator(mode="after")
+    def _content_unless_tool_calls(self) -> ChatMessageIn:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
+
+    def as_job_message(self) -> dict[str, Any]:
+        """The message as the job store keeps it (developer counts as system), what the chat template reads."""
+        text = "" if self.content is None else self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": call.function.arguments}} for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -228,7 +259,7 @@ class ChatCompletionRequest(OpenAIRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._job(CHAT_COMPLETIONS, max_tokens, logprobs, messages=messages)
 
-    def _rest_of_context(self, messages: list[dict[str, str]]) -> int:
+    def _rest_of_context(self, messages: list[dict[str, Any]]) -> int:
         model = prompt_model()
         try:
             num_prompt_tokens = model.count_tokens(model.render_chat(messages))

@@ -88,13 +88,42 @@ class SamplingParamsIn(BaseModel):
         return self
 
 
-class ChatMessage(BaseModel):
-    """One chat message."""
+class ToolCallFunctionIn(BaseModel):
+    """The function a tool call named, with its arguments as JSON text."""
 
     model_config = _STRICT
 
-    role: Literal["system", "user", "assistant"]
+    name: NulFreeStr = Field(min_length=1, max_length=256)
+    arguments: NulFreeStr = Field(max_length=400_000)
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn."""
+
+    model_config = _STRICT
+
+    id: NulFreeStr = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunctionIn
+
+
+class ChatMessage(BaseModel):
+    """One chat message: an assistant turn may carry tool calls, a tool message answers one (tool_call_id)."""
+
+    model_config = _STRICT
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: NulFreeStr = Field(max_length=400_000)
+    tool_calls: list[ToolCallIn] | None = Field(None, min_length=1, max_length=128)
+    tool_call_id: NulFreeStr | None = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not to a {self.role} message")
+        return self
 
 
 class JobCreate(SamplingParamsIn):

@@ -32,7 +32,7 @@ class JobOut(BaseModel):
     id: str
     status: JobStatus
     prompt: str
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     params: dict[str, Any]
     priority: int
     metadata: dict[str, Any] | None = Field(validation_alias="metadata_")

@@ -107,7 +107,7 @@ class Job(Base):
     status: Mapped[JobStatus] = mapped_column(Enum(JobStatus, native_enum=False, length=16), default=JobStatus.queued)
     prompt: Mapped[str] = mapped_column(Text)
     prompt_token_ids: Mapped[list[int] | None] = mapped_column(JSON)  # given as ids: the engine gets these
-    messages: Mapped[list[dict[str, str]] | None] = mapped_column(JSON)
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)

@@ -40,7 +40,7 @@ class PromptModel:
     chat_template: str | None
     special_tokens: dict[str, str]
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for chat messages, through the model's own chat template."""
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")

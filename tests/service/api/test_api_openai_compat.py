@@ -108,6 +108,49 @@ def test_invalid_chat_input_is_400_naming_the_field_the_client_sent(
     assert error["param"] == param and param in error["message"]
 
 
+TOOL_HISTORY: list[dict[str, Any]] = [
+    {"role": "user", "content": "the fox"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "jump", "arguments": '{"over": "dog"}'}}]},
+    {"role": "tool", "content": "the lazy dog", "tool_call_id": "call_1"},
+]
+
+
+def test_a_tool_using_conversations_history_is_accepted_and_kept_for_the_template(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    job = ChatCompletionRequest(model="tiny", messages=TOOL_HISTORY, max_tokens=2).to_job()
+    assert job.messages is not None and [m.role for m in job.messages] == ["user", "assistant", "tool"]
+    assert job.messages[1].content == "" and job.messages[1].tool_calls is not None
+    assert job.messages[1].tool_calls[0].function.name == "jump" and job.messages[2].tool_call_id == "call_1"
+    rendered = client.post("/tokenize", json={"messages": TOOL_HISTORY}, headers=auth_headers)
+    assert rendered.status_code == 200, rendered.text
+    text = client.post("/detokenize", json={"tokens": rendered.json()["tokens"]}, headers=auth_headers).json()
+    assert "<|im_start|>tool\nthe lazy dog<|im_end|>" in text["prompt"]
+    stored = client.post("/v1/jobs", json={"messages": job.model_dump(exclude_none=True)["messages"], "max_tokens": 2},
+                         headers=auth_headers)
+    assert stored.status_code == 202, stored.text
+    shown = client.get(f"/v1/jobs/{stored.json()['id']}", headers=auth_headers).json()["messages"]
+    assert shown[1]["tool_calls"][0]["id"] == "call_1" and "tool_calls" not in shown[0]  # unset fields stay out
+
+
+@pytest.mark.parametrize(("route", "message", "param"), [
+    ("/v1/chat/completions", {"role": "tool", "content": None, "tool_call_id": "c"}, "messages.0"),
+    ("/v1/chat/completions", {"role": "user", "content": None}, "messages.0"),
+    ("/v1/jobs", {"role": "user", "content": "x", "tool_call_id": "c"}, "messages.0"),
+    ("/v1/jobs", {"role": "tool", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "messages.0"),
+])
+def test_misplaced_tool_fields_are_refused_naming_the_message(
+    client: TestClient, auth_headers: dict[str, str], route: str, message: dict[str, Any], param: str
+) -> None:
+    response = client.post(route, json={"model": "tiny", "messages": [message]} if route != "/v1/jobs" else
+                           {"messages": [message]}, headers=auth_headers)
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    assert (error.get("param") or error.get("field")) == param
+
+
 @pytest.mark.parametrize(("schema", "given"), [
     (CompletionRequest, {"model": "tiny", "prompt": "fox"}),
     (ChatCompletionRequest, {"model": "tiny", "messages": [{"role": "user", "content": "fox", "name": None}]}),
