@@ -102,7 +102,8 @@ class OpenAIRequest(OpenAIBody):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
 
-    def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, **prompt: Any) -> JobCreate:
+    def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+             **prompt: Any) -> JobCreate:
         if self.model is not None:
             check_served_model(self.model)
         sampling = self.model_dump(include={
@@ -112,6 +113,7 @@ class OpenAIRequest(OpenAIBody):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user, **self._metadata()}
         return JobCreate(**sampling, **prompt, stop=stop, max_tokens=max_tokens, logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs,
                          metadata=metadata)
 
     def _metadata(self) -> dict[str, MetadataValue]:
@@ -163,9 +165,12 @@ class CompletionRequest(OpenAIRequest):
     def to_jobs(self) -> list[JobCreate]:
         """One job per prompt; token-id prompts reach the engine as the ids given."""
         prompts = self.prompts()
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported (prompt tokens have no logprobs here)", "echo")
-        return [self._job(COMPLETIONS, self.max_tokens, self.logprobs,
+        # echo with logprobs gives the prompt's tokens their logprobs too (the first has none), as lm-eval's
+        # loglikelihood requests expect; the prompt is computed whole for it (no cached prefix)
+        prompt_logprobs = self.logprobs if self.echo else None
+        if prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "echo with logprobs is not supported with stream: true; ask without streaming", "echo")
+        return [self._job(COMPLETIONS, self.max_tokens, self.logprobs, prompt_logprobs,
                           **_prompt_field(p, "prompt" if len(prompts) == 1 else f"prompt.{i}"))
                 for i, p in enumerate(prompts)]
 

@@ -52,6 +52,7 @@ class SamplingParamsIn(BaseModel):
     ignore_eos: bool = _sampling_field("ignore_eos")
     min_tokens: int = _sampling_field("min_tokens")
     logprobs: int | None = _sampling_field("logprobs")
+    prompt_logprobs: int | None = _sampling_field("prompt_logprobs")
     repetition_penalty: float = _sampling_field("repetition_penalty")
     presence_penalty: float = _sampling_field("presence_penalty")
     frequency_penalty: float = _sampling_field("frequency_penalty")

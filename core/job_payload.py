@@ -22,6 +22,7 @@ class Choice(BaseModel):
     token_ids: list[int]
     finish_reason: str | None
     logprobs: Any = None
+    prompt_logprobs: Any = None  # with the prompt_logprobs parameter: per prompt token (None for the first)
 
 
 class JobOut(BaseModel):

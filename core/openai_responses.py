@@ -82,17 +82,23 @@ def _token_text(token_id: int) -> str:
     return configured_prompt_model().tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _steps(choice: dict[str, Any], num_top: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    """(token, logprob, top alternatives) per generated token; the engine adds the sampled token to its top-k."""
-    steps = []
-    for token_id, step in zip(choice["token_ids"], choice["logprobs"], strict=True):
+# (token text, its logprob, the top alternatives); no logprob nor alternatives for a prompt's first token
+Step = tuple[str, float | None, list[tuple[str, float]] | None]
+
+
+def _steps(token_ids: list[int], logprobs: list[dict[str, float] | None], num_top: int) -> list[Step]:
+    """One step per token; the engine adds each token to its own top-k, so it is always there."""
+    steps: list[Step] = []
+    for token_id, step in zip(token_ids, logprobs, strict=True):
+        if step is None:  # nothing predicts a prompt's first token
+            steps.append((_token_text(token_id), None, None))
+            continue
         top = sorted(((int(k), v) for k, v in step.items()), key=lambda kv: -kv[1])[:num_top]
         steps.append((_token_text(token_id), step[str(token_id)], [(_token_text(i), lp) for i, lp in top]))
     return steps
 
 
-def _completion_logprobs(choice: dict[str, Any], num_top: int, offset: int = 0) -> dict[str, Any]:
-    steps = _steps(choice, num_top)
+def _completion_logprobs(steps: list[Step], offset: int = 0) -> dict[str, Any]:
     offsets = []
     for token, _, _ in steps:
         offsets.append(offset)
@@ -100,35 +106,45 @@ def _completion_logprobs(choice: dict[str, Any], num_top: int, offset: int = 0) 
     return {
         "tokens": [token for token, _, _ in steps],
         "token_logprobs": [logprob for _, logprob, _ in steps],
-        "top_logprobs": [dict(top) for _, _, top in steps],
+        "top_logprobs": [None if top is None else dict(top) for _, _, top in steps],
         "text_offset": offsets,
     }
 
 
-def _chat_logprobs(choice: dict[str, Any], num_top: int) -> dict[str, Any]:
-    def entry(token: str, logprob: float) -> dict[str, Any]:
+def _chat_logprobs(steps: list[Step]) -> dict[str, Any]:
+    def entry(token: str, logprob: float | None) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-               for token, lp, top in _steps(choice, num_top)]
+    content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top or []]} for token, lp, top in steps]
     return {"content": content, "refusal": None}
 
 
 def delta_logprobs(endpoint: str, delta: dict[str, Any], num_top: int, text_offset: int) -> dict[str, Any]:
     """The logprobs of a stream chunk's new tokens (`delta`: token_ids and their logprobs); a completion's
     text_offset counts on from `text_offset`, the length of the tokens streamed before."""
-    if endpoint == CHAT_COMPLETIONS:
-        return _chat_logprobs(delta, num_top)
-    return _completion_logprobs(delta, num_top, text_offset)
+    steps = _steps(delta["token_ids"], delta["logprobs"], num_top)
+    return _chat_logprobs(steps) if endpoint == CHAT_COMPLETIONS else _completion_logprobs(steps, text_offset)
+
+
+def _choice_steps(choice: dict[str, Any], num_top: int, with_prompt: bool) -> list[Step]:
+    """A choice's generated tokens' steps, after its prompt's when asked for and kept (echo with logprobs)."""
+    steps = _steps(choice["token_ids"], choice["logprobs"], num_top) if choice.get("logprobs") else []
+    if with_prompt and choice.get("prompt_logprobs"):
+        steps = _steps(choice["prompt_token_ids"], choice["prompt_logprobs"], num_top) + steps
+    return steps
 
 
 def completion_body(job: Job, model: str) -> dict[str, Any]:
-    """The text_completion object of a succeeded job."""
+    """The text_completion object of a succeeded job (with echo and logprobs, the prompt's tokens are scored too)."""
     num_top = job.params.get("logprobs")
-    choices = [{
-        "index": c["index"], "text": echoed_prompt(job) + c["text"], "finish_reason": _finish_reason(c),
-        "logprobs": _completion_logprobs(c, num_top) if num_top is not None and c.get("logprobs") else None,
-    } for c in job.output or []]
+    echo = echoed_prompt(job)
+
+    def logprobs(choice: dict[str, Any]) -> dict[str, Any] | None:
+        steps = _choice_steps(choice, num_top, bool(echo)) if num_top is not None else []
+        return _completion_logprobs(steps) if steps else None
+
+    choices = [{"index": c["index"], "text": echo + c["text"], "finish_reason": _finish_reason(c),
+                "logprobs": logprobs(c)} for c in job.output or []]
     return {"id": job.id, "object": "text_completion", "created": _created(job), "model": model,
             "choices": choices, "usage": usage(job)}
 
@@ -139,7 +155,8 @@ def chat_body(job: Job, model: str) -> dict[str, Any]:
     choices = [{
         "index": c["index"], "message": {"role": "assistant", "content": c["text"]},
         "finish_reason": _finish_reason(c),
-        "logprobs": _chat_logprobs(c, num_top) if num_top is not None and c.get("logprobs") else None,
+        "logprobs": _chat_logprobs(_choice_steps(c, num_top, False)) if num_top is not None and c.get("logprobs")
+        else None,
     } for c in job.output or []]
     return {"id": job.id, "object": "chat.completion", "created": _created(job), "model": model,
             "choices": choices, "usage": usage(job)}

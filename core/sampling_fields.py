@@ -60,6 +60,8 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
     SamplingField("ignore_eos", False, Bounds(), Bounds()),
     SamplingField("min_tokens", 0, Bounds(0, _TOKENS_MAX), Bounds(0)),  # both also cap it at max_tokens
     SamplingField("logprobs", None, Bounds(0, 20), Bounds(0, 20)),
+    SamplingField("prompt_logprobs", None, Bounds(0, 20), Bounds(0, 20),
+                  description="the prompt's tokens' logprobs too, with this many alternatives each"),
     # logits are divided or multiplied by it: below 0.01 they overflow
     SamplingField("repetition_penalty", 1.0, Bounds(0.01, 10.0), Bounds(0.01, 100.0)),
     SamplingField("presence_penalty", 0.0, Bounds(-2.0, 2.0), Bounds(-2.0, 2.0)),

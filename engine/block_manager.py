@@ -57,16 +57,17 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, reuse_prefix: bool = True) -> bool:
         """True when the whole sequence fits now, keeping the watermark free."""
-        cached = self._cached_prefix(seq)
+        cached = self._cached_prefix(seq) if reuse_prefix else []
         taken_from_free = sum(1 for block in cached if self.gpu.ref_counts[block] == 0)
         needed = cdiv(seq.num_tokens, self.block_size) - len(cached) + taken_from_free
         return self.gpu.num_free_blocks - needed >= self.watermark_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, reusing its longest cached prefix."""
-        cached = self._cached_prefix(seq)
+    def allocate(self, seq: Sequence, reuse_prefix: bool = True) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing its longest cached prefix unless told not to (a prompt
+        whose logprobs are wanted is computed whole: cached blocks have K/V, not logits)."""
+        cached = self._cached_prefix(seq) if reuse_prefix else []
         self.num_prefix_queries += cdiv(seq.num_tokens, self.block_size)
         self.num_prefix_hits += len(cached)
         for block in cached:

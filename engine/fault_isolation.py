@@ -63,12 +63,14 @@ class _GroupState:
     pending_beam_logits: dict[int, torch.Tensor]
     first_token_time: float | None
     finished_time: float | None
+    num_prompt_logprobs: int
 
     @classmethod
     def capture(cls, group: SequenceGroup) -> _GroupState:
         """The request as it is now."""
         return cls(group, [_SeqState.capture(seq) for seq in group.seqs], len(group.beam_hypotheses),
-                   dict(group.pending_beam_logits), group.first_token_time, group.finished_time)
+                   dict(group.pending_beam_logits), group.first_token_time, group.finished_time,
+                   len(group.prompt_logprobs))
 
     def restore(self, block_manager: BlockManager) -> None:
         """Put the request back as it was captured; sequences forked since then are freed."""
@@ -83,6 +85,7 @@ class _GroupState:
         del group.beam_hypotheses[self.num_hypotheses :]
         group.pending_beam_logits = self.pending_beam_logits
         group.first_token_time, group.finished_time = self.first_token_time, self.finished_time
+        del group.prompt_logprobs[self.num_prompt_logprobs :]
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from engine.models.llama import kv_heads_and_head_dim
 from engine.models.loader import eos_token_ids, load_config, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.prompt_logprobs import record as record_prompt_logprobs
 from engine.request_validation import ModelLimits, validate_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -201,7 +202,8 @@ class LLMEngine:
 
     def _run(self, out: SchedulerOutput) -> None:
         self.num_steps += 1
-        logits, sampled = self.runner.execute(out)
+        logits, sampled, prompt_logprobs = self.runner.execute(out)
+        record_prompt_logprobs(prompt_logprobs)
         self.scheduler.update_from_output(out, self.sampler.sample(logits, sampled),
                                           self.output_processor.finish_reason)
 

@@ -10,6 +10,7 @@ from engine.attention import AttentionMetadata
 from engine.cache_engine import CacheEngine
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.llama import LlamaForCausalLM
+from engine.prompt_logprobs import PromptLogprob, PromptRows
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels.checks import HostTables
 
@@ -67,6 +68,7 @@ class HostStep:
     sampled: list[ScheduledSeq] = field(default_factory=list)
     decode: HostTables = field(default_factory=lambda: HostTables([], []))
     prefill: HostTables = field(default_factory=lambda: HostTables([], [], [0]))
+    prompt_rows: PromptRows = field(default_factory=PromptRows)
 
     def add_tokens(self, item: ScheduledSeq, start: int, end: int, slots: list[int]) -> None:
         """Positions ``start:end`` of the item's sequence; its last row is sampled once it covers every token."""
@@ -95,9 +97,9 @@ class ModelRunner:
         self.graphs = graphs
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq], list[PromptLogprob]]:
         """Run one forward pass; returns the logits of every sequence that reached its last
-        token, and those sequences in the same order."""
+        token, those sequences in the same order, and the prompt logprobs the step's prefills computed."""
         step = self._prepare(out)
         graphs = self.graphs
         size = graphs.size_for(step.decode, len(step.prefill.context_lens)) if graphs is not None else None
@@ -106,7 +108,8 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sampled_rows = self._upload(step)
             hidden = self.model(input_ids, positions, self.cache.gpu_cache, meta)
-        return self.model.compute_logits(hidden.index_select(0, sampled_rows)), step.sampled
+        prompt_logprobs = step.prompt_rows.logprobs(self.model, hidden) if step.prompt_rows.rows else []
+        return self.model.compute_logits(hidden.index_select(0, sampled_rows)), step.sampled, prompt_logprobs
 
     def _replay(self, graphs: DecodeGraphRunner, step: HostStep, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded decode batch and the sampled rows in one transfer, then the graph of ``size``:
@@ -138,6 +141,7 @@ class ModelRunner:
         query_start_loc = [0]
         for item in prefills:
             start, end = item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_new_tokens
+            step.prompt_rows.add(item, start, end, len(step.input_ids))
             step.add_tokens(item, start, end, _slots(item.block_table, start, end, self.block_size))
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
         step.prefill = HostTables(

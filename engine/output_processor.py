@@ -80,5 +80,6 @@ class OutputProcessor:
             self.groups.pop(group.request_id, None)
         metrics = RequestMetrics(
             group.arrival_time, group.first_scheduled_time, group.first_token_time, group.finished_time)
+        prompt_logprobs = list(group.prompt_logprobs) if group.params.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics,
-                             error=group.error)
+                             error=group.error, prompt_logprobs=prompt_logprobs)

@@ -39,4 +39,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     new_token_ids: list[list[int]] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: per prompt token, its logprob and alternatives (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # set when the engine failed this request (its outputs end with "error")

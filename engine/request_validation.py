@@ -40,8 +40,10 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, li
         raise ValueError("prompt must not be empty")
     _check_token_ids("prompt", prompt_token_ids, limits.vocab_size)
     _check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
-    if params.logprobs is not None and params.logprobs > limits.vocab_size:
-        raise ValueError(f"logprobs must be at most the vocabulary size {limits.vocab_size}, got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limits.vocab_size:
+            raise ValueError(f"{name} must be at most the vocabulary size {limits.vocab_size}, got {value}")
     if num_prompt + params.max_tokens > limits.max_model_len:
         raise ValueError(
             f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "

@@ -43,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt's tokens' logprobs too (and this many alternatives), as vLLM's
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -110,10 +111,12 @@ class SamplingParams:
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
         )
-        _require(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be None or an integer between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                f"{name} must be None or an integer between 0 and {MAX_LOGPROBS}, got {value!r}",
+            )
         low, high = REPETITION_PENALTY_RANGE
         _require(
             _is_finite_number(self.repetition_penalty) and low <= self.repetition_penalty <= high,

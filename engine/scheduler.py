@@ -160,7 +160,7 @@ class Scheduler:
         seqs = group.seqs_with_status(SequenceStatus.WAITING)
         if num_running_seqs + self._seats_wanted(group) > self.config.max_num_seqs:
             return False
-        return self._can_allocate(seqs)
+        return self._can_allocate(seqs, reuse_prefix=not group.wants_prompt_logprobs)
 
     @staticmethod
     def _seats_wanted(group: SequenceGroup) -> int:
@@ -253,14 +253,14 @@ class Scheduler:
             self.waiting.pop(0)
             num_running_seqs += self._seats_wanted(group)
             for seq in seqs:
-                self.block_manager.allocate(seq)
+                self.block_manager.allocate(seq, reuse_prefix=not group.wants_prompt_logprobs)
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             self._schedule_group(out, group, budget)
 
-    def _can_allocate(self, seqs: list[Sequence]) -> bool:
+    def _can_allocate(self, seqs: list[Sequence], reuse_prefix: bool = True) -> bool:
         if len(seqs) == 1:
-            return self.block_manager.can_allocate(seqs[0])
+            return self.block_manager.can_allocate(seqs[0], reuse_prefix)
         blocks = sum(-(-seq.num_tokens // self.block_manager.block_size) for seq in seqs)
         free = self.block_manager.num_free_gpu_blocks - self.block_manager.watermark_blocks
         return blocks <= free

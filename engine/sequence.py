@@ -110,6 +110,14 @@ class SequenceGroup:
     # next-token logits of beams that finished recomputing before their siblings did
     pending_beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    # with params.prompt_logprobs: position i's entry holds token i's logprob given the tokens before it (the first
+    # token has none); filled in prompt order as prefill chunks compute them, never twice (recompute skips them)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether this request still needs logits at some prompt position."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @classmethod
     def create(

@@ -45,6 +45,11 @@ def _claim(job_id: str) -> Job | None:
 
 
 def _choices(output: Any) -> list[dict[str, Any]]:
+    # a request that asked for its prompt's logprobs keeps them with each choice, with the ids they score
+    prompt = {} if output.prompt_logprobs is None else {
+        "prompt_token_ids": list(output.prompt_token_ids),
+        "prompt_logprobs": [None, *stored_logprobs(output.prompt_logprobs[1:])],
+    }
     return [
         {
             "index": c.index,
@@ -52,6 +57,7 @@ def _choices(output: Any) -> list[dict[str, Any]]:
             "token_ids": list(c.token_ids),
             "finish_reason": c.finish_reason,
             "logprobs": stored_logprobs(c.logprobs) if c.logprobs else None,
+            **prompt,
         }
         for c in output.outputs
     ]

@@ -49,13 +49,13 @@ class ReservingBlockManager(BlockManager):
     def _reserved_blocks(self, seq: Sequence) -> int:
         return cdiv(max(self.reserved_tokens[seq.seq_id], seq.num_tokens), self.block_size)
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, reuse_prefix: bool = True) -> bool:
         """True when the whole reservation fits now, keeping the watermark free."""
         return self.gpu.num_free_blocks - self._reserved_blocks(seq) >= self.watermark_blocks
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence, reuse_prefix: bool = True) -> None:
         """Allocate the prompt as usual, then the rest of the reservation."""
-        super().allocate(seq)
+        super().allocate(seq, reuse_prefix)
         table = self.tables[seq.seq_id]
         table.extend(self.gpu.allocate() for _ in range(self._reserved_blocks(seq) - len(table)))
 

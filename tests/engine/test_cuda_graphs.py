@@ -127,10 +127,10 @@ def test_a_padded_graph_step_gives_the_eager_logits_and_writes_only_its_own_slot
     llm.engine.step()  # the prefills
     out = llm.engine.scheduler.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [1, 1, 1]
-    eager_logits, _ = llm.engine.runner.execute(out)
+    eager_logits, _, _ = llm.engine.runner.execute(out)
     before = llm.engine.cache.gpu_kv.clone()
     graphs = _static_graphs(llm, max_batch=4)  # warm-up and capture run padding rows only
-    graph_logits, _ = llm.engine.runner.execute(out)  # the same step again, 3 rows padded to 4
+    graph_logits, _, _ = llm.engine.runner.execute(out)  # the same step again, 3 rows padded to 4
     assert graphs.num_replays == 1
     torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-5, atol=1e-5)
 

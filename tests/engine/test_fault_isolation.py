@@ -156,3 +156,28 @@ def test_a_step_that_raises_for_every_request_fails_each_and_the_engine_still_se
     assert all(o.finished and o.error for o in outputs.values())
     after = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert len(after.outputs[0].token_ids) == 4 and after.error is None
+
+
+@pytest.mark.parametrize("site", ["forward", "detokenize"])
+def test_a_victims_prompt_logprobs_come_whole_through_the_isolation(
+    llm: LLM, baseline: dict[str, list[list[int]]], site: str,
+) -> None:
+    # the rollback drops what the failed step recorded; the recompute scores those prompt tokens again, once
+    poison = unused_token(llm, baseline)
+    prompt, params = "The quick brown fox jumps over the lazy dog", SamplingParams(temperature=0.0, max_tokens=4,
+                                                                                   prompt_logprobs=2)
+    clean = llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs
+    engine = llm.engine
+    finished: dict[str, RequestOutput] = {}
+    with poisoned(llm, site, poison):
+        engine.add_request("victim", prompt, params)
+        engine.add_request("faulty", llm.tokenizer.encode("Please repeat after me") + [poison, 42],
+                           SamplingParams(temperature=0.0, max_tokens=8))
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["faulty"].error is not None and finished["victim"].error is None
+    isolated = finished["victim"].prompt_logprobs
+    assert clean is not None and isolated is not None and len(isolated) == len(clean) and isolated[0] is None
+    for got, expected in zip(isolated[1:], clean[1:], strict=True):
+        assert got is not None and expected is not None and got.keys() == expected.keys()
+        assert list(got.values()) == pytest.approx(list(expected.values()), abs=1e-4)

@@ -109,6 +109,33 @@ def test_streamed_text_and_usage_equal_the_non_streamed_ones_for_the_same_seed(
     assert all(c.usage is None for c in plain)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str], service_model_dir: Path
+) -> None:
+    # lm-eval-harness's loglikelihood request: the context and continuation as the prompt, echo, logprobs, 1 token
+    prompt = "The quick brown fox jumps over the lazy dog"
+    prompt_ids = httpx.post(f"{live_api}/tokenize", json={"prompt": prompt}, headers=auth_headers).json()["tokens"]
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache: it is still scored whole
+        completion = openai_client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0,
+                                                      echo=True, logprobs=1)
+        choice = completion.choices[0]
+        logprobs = choice.logprobs
+        assert logprobs is not None and len(logprobs.tokens) == len(prompt_ids) + 1
+        assert "".join(logprobs.tokens) == choice.text and choice.text.startswith(prompt)
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        scored = prompt_ids[1:]
+        reference = hf_logprobs(service_model_dir, prompt_ids[:1], scored)  # row i: the logits before token i + 1
+        assert logprobs.token_logprobs[1:len(prompt_ids)] == pytest.approx(
+            reference[range(len(scored)), scored].tolist(), abs=1e-3)
+        assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+        assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
+        job = httpx.get(f"{live_api}/v1/jobs/{completion.id}", headers=auth_headers).json()
+        stored = job["choices"][0]["prompt_logprobs"]  # the job API shows them too
+        assert job["params"]["prompt_logprobs"] == 1 and len(stored) == len(prompt_ids) and stored[0] is None
+        stored_logprobs = [entry[str(token)] for entry, token in zip(stored[1:], scored, strict=True)]
+        assert stored_logprobs == logprobs.token_logprobs[1 : len(prompt_ids)]
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streamed_logprobs_equal_the_non_streamed_ones(openai_client: openai.OpenAI, model: str, endpoint: str) -> None:
     # vLLM streams logprobs too: each chunk carries those of its tokens (a completion's text_offset counting on)
