@@ -63,6 +63,7 @@ def format_errors(content: bytes, endpoint: str) -> tuple[list[tuple[int, dict[s
 def build_line(key: ApiKey, number: int, line: dict[str, Any], endpoint: str, batch_id: str) -> BatchLine:
     """The job of a well-formed line, or the 400 error its body would have got from the endpoint."""
     custom_id = line["custom_id"]
+    request = None
     try:
         request = REQUEST_SCHEMAS[endpoint].model_validate(line["body"])
         if request.stream:
@@ -75,6 +76,6 @@ def build_line(key: ApiKey, number: int, line: dict[str, Any], endpoint: str, ba
         message, param = validation_errors(list(exc.errors()))
         return BatchLine(number, custom_id, None, error_object(400, message, param))
     except ApiError as exc:
-        named = openai_named(exc)  # as the endpoint names the field
+        named = openai_named(exc, request.sent_as() if request is not None else None)  # as the endpoint names it
         return BatchLine(number, custom_id, None, error_object(400, named.message, named.field))
     return BatchLine(number, custom_id, job, None)

@@ -48,15 +48,17 @@ def bounded_as(job_field: str) -> Any:
 _JOB_FIELD = re.compile(r"(?:jobs\.(\d+)\.)?(.+)")  # a job field, prefixed with its index in a batch of jobs
 
 
-def openai_named(error: ApiError) -> ApiError:
+def openai_named(error: ApiError, sent_as: dict[str, str] | None = None) -> ApiError:
     """A job's creation error with the field named as the OpenAI request names it: a prompt given as text or ids is
-    `prompt`, prompt i of several `prompt.i`; the other fields are the request's own, shared by every prompt."""
+    `prompt`, prompt i of several `prompt.i`; the other fields are the request's own, shared by every prompt, under
+    the name the client used (`sent_as`: job field -> request field)."""
     match = _JOB_FIELD.fullmatch(error.field or "")
     if match is None:
         return error
     index, name = match.groups()
     if name in ("prompt", "prompt_token_ids"):
         name = "prompt" if index is None else f"prompt.{index}"
+    name = (sent_as or {}).get(name, name)
     return ApiError(error.status_code, error.message.replace(error.field or "", name), name, error.headers)
 
 
@@ -118,6 +120,10 @@ class OpenAIRequest(OpenAIBody):
 
     def _metadata(self) -> dict[str, MetadataValue]:
         """Endpoint-specific job metadata the response builder reads back."""
+        return {}
+
+    def sent_as(self) -> dict[str, str]:
+        """Job fields this request gave under another name (job field -> request field), for naming errors."""
         return {}
 
 
@@ -263,6 +269,9 @@ class ChatCompletionRequest(OpenAIRequest):
         max_tokens = limit if limit is not None else self._rest_of_context(messages)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._job(CHAT_COMPLETIONS, max_tokens, logprobs, messages=messages)
+
+    def sent_as(self) -> dict[str, str]:
+        return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
 
     def _rest_of_context(self, messages: list[dict[str, Any]]) -> int:
         model = prompt_model()

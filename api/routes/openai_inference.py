@@ -35,14 +35,14 @@ def list_models(key: CurrentKey) -> dict[str, Any]:
     return {"object": "list", "data": cards}
 
 
-def _create(session: DbSession, key: CurrentKey, bodies: list[JobCreate]) -> list[Job]:
+def _create(session: DbSession, key: CurrentKey, bodies: list[JobCreate], sent_as: dict[str, str]) -> list[Job]:
     # several prompts are accepted together or not at all; errors name the request's fields, not the jobs'
     try:
         if len(bodies) == 1:
             return [create_job(session, key, bodies[0], None)[0]]
         return create_jobs(session, key, bodies)
     except ApiError as exc:
-        raise openai_named(exc) from exc
+        raise openai_named(exc, sent_as) from exc
 
 
 async def _answer(
@@ -52,7 +52,7 @@ async def _answer(
     if ignored := ignored_fields(body):  # vLLM's behaviour: accept, and say once what was not used
         logger.warning("openai.ignored_fields endpoint=%s fields=%s", endpoint, ",".join(ignored))
     bodies = body.to_jobs() if isinstance(body, CompletionRequest) else [body.to_job()]
-    jobs = await run_in_threadpool(_create, session, key, bodies)
+    jobs = await run_in_threadpool(_create, session, key, bodies, body.sent_as())
     # Waiting or streaming can last minutes: release the pooled connection (the relay reads in short sessions).
     await run_in_threadpool(session.close)
     model = served_model_id()

@@ -99,6 +99,7 @@ def _every_optional_field_null(schema: type[CompletionRequest] | type[ChatComple
     ({"max_tokens": -1}, "max_tokens"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"user": "a\u0000b"}, "user"),
+    ({"max_completion_tokens": 1000}, "max_completion_tokens"),  # past the 128-token context
 ])
 def test_invalid_chat_input_is_400_naming_the_field_the_client_sent(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
