@@ -9,9 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from api.errors import ApiError
 from api.prompts import prompt_model
-from api.schemas import JobCreate, MetadataValue, NulFreeStr
+from api.schemas import JobCreate, MetadataValue, NulFreeStr, sampling_bounds
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
-from core.sampling_fields import SAMPLING_FIELDS
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
 _OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -41,8 +40,7 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
 
 def bounded_as(job_field: str) -> Any:
     """An optional OpenAI field bounded as the job field it becomes, so that its error names the OpenAI field."""
-    bounds = SAMPLING_FIELDS[job_field].service
-    return Field(None, ge=bounds.low, le=bounds.high)
+    return Field(None, **sampling_bounds(job_field))
 
 
 _JOB_FIELD = re.compile(r"(?:jobs\.(\d+)\.)?(.+)")  # a job field, prefixed with its index in a batch of jobs

@@ -25,14 +25,19 @@ NulFreeStr = Annotated[str, AfterValidator(_nul_free)]
 MetadataValue = NulFreeStr | int | float | bool | None
 
 
+def sampling_bounds(name: str) -> dict[str, Any]:
+    """The service's bounds of sampling parameter `name` as pydantic Field arguments (ge or gt, le)."""
+    bounds = SAMPLING_FIELDS[name].service
+    low_bound = {"gt" if bounds.low_exclusive else "ge": bounds.low} if bounds.low is not None else {}
+    return {**low_bound, "le": bounds.high}
+
+
 def _sampling_field(name: str) -> Any:
     """The field of sampling parameter `name`: default and bounds as core/sampling_fields.py declares them."""
     spec = SAMPLING_FIELDS[name]
     if spec.max_items is not None:  # a list: its items are checked by the validators below
         return Field(spec.default, max_length=spec.max_items, description=spec.description)
-    bounds = spec.service
-    low_bound = {"gt" if bounds.low_exclusive else "ge": bounds.low} if bounds.low is not None else {}
-    return Field(spec.default, **low_bound, le=bounds.high, description=spec.description)
+    return Field(spec.default, **sampling_bounds(name), description=spec.description)
 
 
 class SamplingParamsIn(BaseModel):

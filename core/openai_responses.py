@@ -155,7 +155,7 @@ def chat_body(job: Job, model: str) -> dict[str, Any]:
     choices = [{
         "index": c["index"], "message": {"role": "assistant", "content": c["text"]},
         "finish_reason": _finish_reason(c),
-        "logprobs": _chat_logprobs(_choice_steps(c, num_top, False)) if num_top is not None and c.get("logprobs")
+        "logprobs": _chat_logprobs(steps) if num_top is not None and (steps := _choice_steps(c, num_top, False))
         else None,
     } for c in job.output or []]
     return {"id": job.id, "object": "chat.completion", "created": _created(job), "model": model,

@@ -62,8 +62,9 @@ class PromptModel:
         if bad is not None:
             raise TokenIdError(f"{field}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
 
-    def check_fits(self, prompt: str, max_tokens: int, field: str = "prompt", max_tokens_field: str = "max_tokens",
-                   ) -> int:
+    def check_fits(
+        self, prompt: str, max_tokens: int, field: str = "prompt", max_tokens_field: str = "max_tokens",
+    ) -> int:
         """The prompt's token count; PromptTooLongError past the context, TokenIdError for ids past the vocabulary."""
         return self.check_fits_ids(self.tokenizer.encode(prompt).ids, max_tokens, field, max_tokens_field)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.models.llama import LlamaForCausalLM
+from engine.sampler import token_logprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import SequenceGroup
 
@@ -46,24 +47,20 @@ class PromptRows:
     def logprobs(self, model: LlamaForCausalLM, hidden: torch.Tensor) -> list[PromptLogprob]:
         """Each row's predicted token's logprob and its request's top ``prompt_logprobs`` alternatives."""
         results: list[PromptLogprob] = []
-        top = max(group.params.prompt_logprobs or 0 for group, _ in self.owners)
         for begin in range(0, len(self.rows), ROWS_PER_PASS):
             rows = torch.tensor(self.rows[begin : begin + ROWS_PER_PASS], device=hidden.device)
-            targets = torch.tensor(self.targets[begin : begin + ROWS_PER_PASS], device=hidden.device)
-            logprobs = model.compute_logits(hidden.index_select(0, rows)).float().log_softmax(-1)
-            chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            top_values, top_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], targets[:, None][:, :0])
-            for i, (value, ids, values) in enumerate(zip(chosen, top_ids.tolist(), top_values.tolist(), strict=True)):
-                group, position = self.owners[begin + i]
-                k = group.params.prompt_logprobs or 0
-                entry = dict(zip(ids[:k], values[:k], strict=True))
-                entry[self.targets[begin + i]] = value
-                results.append(PromptLogprob(group, position, entry))
+            owners = self.owners[begin : begin + ROWS_PER_PASS]
+            entries = token_logprobs(model.compute_logits(hidden.index_select(0, rows)),
+                                     self.targets[begin : begin + ROWS_PER_PASS],
+                                     [group.params.prompt_logprobs or 0 for group, _ in owners])
+            results += [PromptLogprob(group, position, entry)
+                        for (group, position), entry in zip(owners, entries, strict=True)]
         return results
 
 
 def record(results: list[PromptLogprob]) -> None:
-    """Append each result to its request in prompt order; a position already known (recomputed) is skipped."""
+    """Append each result to its request; results come in prompt order, and one for a position the request already
+    holds is dropped, so each position is recorded once."""
     for result in results:
         if len(result.group.prompt_logprobs) == result.position:
             result.group.prompt_logprobs.append(result.logprobs)

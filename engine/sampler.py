@@ -158,24 +158,33 @@ def _inverse_cdf_sample(weights: torch.Tensor, rows: list[SamplingRow]) -> tuple
     return (block * SCAN_BLOCK + offset).clamp_(0, weights.shape[-1] - 1), total
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list[dict[int, float] | None]:
-    """Logprobs of the raw model output for the rows that asked: the chosen token and the top ones.
+def token_logprobs(raw: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[dict[int, float]]:
+    """Per row of raw model output: the logprob of ``tokens[i]`` and of the row's ``num_top[i]`` likeliest tokens.
     Non-finite values are clamped to fp32's range so results are always finite numbers."""
+    finite = torch.nan_to_num(raw.float(), nan=NEG_INF, posinf=FP32.max, neginf=NEG_INF)
+    logprobs = torch.nan_to_num(finite.log_softmax(dim=-1), nan=FP32.min, neginf=FP32.min)
+    chosen_ids = torch.tensor(tokens, dtype=torch.long, device=raw.device)
+    chosen = logprobs.gather(-1, chosen_ids[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(min(max(num_top), raw.shape[-1]), dim=-1)
+    entries = []
+    for token, value, num, values, ids in zip(tokens, chosen, num_top, top_values.tolist(), top_ids.tolist(),
+                                              strict=True):
+        entry = dict(zip(ids[:num], values[:num], strict=True))
+        entry[token] = value
+        entries.append(entry)
+    return entries
+
+
+def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+    """Logprobs of the raw model output for the rows that asked: the chosen token and the top ones."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     results: list[dict[int, float] | None] = [None] * len(rows)
     if not wanted:
         return results
     index = torch.tensor(wanted, dtype=torch.long, device=raw.device)
-    finite = torch.nan_to_num(raw.index_select(0, index).float(), nan=NEG_INF, posinf=FP32.max, neginf=NEG_INF)
-    logprobs = torch.nan_to_num(finite.log_softmax(dim=-1), nan=FP32.min, neginf=FP32.min)
-    chosen_ids = torch.tensor([tokens[i] for i in wanted], dtype=torch.long, device=raw.device)
-    chosen = logprobs.gather(-1, chosen_ids[:, None])[:, 0].tolist()
-    num_top = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[-1])
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    for j, (i, values, ids) in enumerate(zip(wanted, top_values.tolist(), top_ids.tolist())):
-        num = rows[i].params.logprobs or 0
-        entry = dict(zip(ids[:num], values[:num]))
-        entry[tokens[i]] = chosen[j]
+    entries = token_logprobs(raw.index_select(0, index), [tokens[i] for i in wanted],
+                             [rows[i].params.logprobs or 0 for i in wanted])
+    for i, entry in zip(wanted, entries, strict=True):
         results[i] = entry
     return results
 
