@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from api.errors import ApiError
 from api.prompts import prompt_model
-from api.schemas import JobCreate, MetadataValue, NulFreeStr, sampling_bounds
+from api.schemas import JobCreate, MetadataValue, NulFreeStr, StructuredOutputsIn, sampling_bounds
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
@@ -81,6 +81,40 @@ class StreamOptions(OpenAIBody):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIBody):
+    """OpenAI's response_format.json_schema; `strict` is implied (the output always follows the schema)."""
+
+    name: str | None = Field(None, max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBody):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+    def constraint(self) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """The structured outputs it asks for, and the request field that holds each kind; None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema" and self.json_schema is not None and self.json_schema.schema_ is not None:
+            return {"json": self.json_schema.schema_}, {"json": "response_format.json_schema.schema"}
+        return {"json_object": True}, {"json_object": "response_format"}
+
+
+# vLLM's older per-kind fields (before structured_outputs), still sent by many clients
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class OpenAIRequest(OpenAIBody):
     """Fields shared by completions and chat completions, plus vLLM's extra sampling fields."""
 
@@ -101,6 +135,13 @@ class OpenAIRequest(OpenAIBody):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # constrained output: OpenAI's response_format, vLLM's structured_outputs, or one of its guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
              **prompt: Any) -> JobCreate:
@@ -113,8 +154,39 @@ class OpenAIRequest(OpenAIBody):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user, **self._metadata()}
         return JobCreate(**sampling, **prompt, stop=stop, max_tokens=max_tokens, logprobs=logprobs,
-                         prompt_logprobs=prompt_logprobs,
+                         prompt_logprobs=prompt_logprobs, structured_outputs=self._structured_outputs(),
                          metadata=metadata)
+
+    def _constraint_sources(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
+        """Each field of this request that constrains the output: the structured outputs it asks for, and the
+        request field that holds each kind (for naming errors)."""
+        sources = {}
+        if self.response_format is not None and (constraint := self.response_format.constraint()) is not None:
+            sources["response_format"] = constraint
+        if self.structured_outputs is not None:
+            sources["structured_outputs"] = self.structured_outputs, {}
+        for field, kind in GUIDED_FIELDS.items():
+            if (value := getattr(self, field)) is not None:
+                sources[field] = {kind: value}, {kind: field}
+        return sources
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        """The job's structured outputs, from the one field that asks for them; a 400 names the field sent."""
+        sources = self._constraint_sources()
+        if len(sources) > 1:
+            raise ApiError(400, f"give only one of {', '.join(sources)}: each constrains the output",
+                           list(sources)[1])
+        if not sources:
+            return None
+        (source, (spec, fields)), = sources.items()
+        try:  # checked as the job will check it, so that the error names the field this request sent
+            StructuredOutputsIn.model_validate(spec)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            kind = str(error["loc"][0]) if error["loc"] else None
+            field = fields.get(kind or "", f"{source}.{kind}" if kind else source)
+            raise ApiError(400, f"{field}: {error['msg']}", field) from None
+        return spec
 
     def _metadata(self) -> dict[str, MetadataValue]:
         """Endpoint-specific job metadata the response builder reads back."""

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from core.job_payload import JobOut
 from core.models import DeliveryStatus
 from core.sampling_fields import SAMPLING_FIELDS
+from core.structured_outputs import StructuredOutputError, grammar_of, only_kind
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -40,6 +52,46 @@ def _sampling_field(name: str) -> Any:
     return Field(spec.default, **sampling_bounds(name), description=spec.description)
 
 
+class StructuredOutputsIn(BaseModel):
+    """vLLM's structured outputs: exactly one way to constrain the output, compiled here so that a constraint the
+    engine could not use is a 422 naming its field before any job exists."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_schema: dict[str, Any] | NulFreeStr | bool | None = Field(
+        None, alias="json", description="a JSON schema (an object, or its JSON text) the output must satisfy")
+    regex: NulFreeStr | None = Field(None, min_length=1, max_length=65_536)
+    choice: list[Annotated[NulFreeStr, Field(min_length=1, max_length=4096)]] | None = Field(
+        None, min_length=1, max_length=1024, description="the output is exactly one of these strings")
+    grammar: NulFreeStr | None = Field(None, min_length=1, max_length=400_000, description="Lark or GBNF")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    disable_any_whitespace: bool = Field(False, description="compact JSON: no whitespace between its tokens")
+
+    @field_validator("json_schema", "regex", "choice", "grammar", "json_object")
+    @classmethod
+    def _usable(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None or value is False:  # not set (json_object false)
+            return value
+        if isinstance(value, dict) and "\\u0000" in json.dumps(value):  # PostgreSQL's JSON cannot hold NUL
+            raise ValueError("must not contain the NUL character (\\u0000)")
+        kind = "json" if info.field_name == "json_schema" else str(info.field_name)
+        try:
+            grammar_of({kind: value})
+        except StructuredOutputError as exc:
+            raise ValueError(exc.reason) from None
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsIn:
+        only_kind(self.model_dump(by_alias=True))
+        return self
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # stored with the job as the engine takes it: the kind that is set (and the option, when on)
+        return {name: value for name, value in handler(self).items() if value not in (None, False)}
+
+
 class SamplingParamsIn(BaseModel):
     """Sampling parameters, as the engine's SamplingParams takes them."""
 
@@ -63,6 +115,7 @@ class SamplingParamsIn(BaseModel):
     frequency_penalty: float = _sampling_field("frequency_penalty")
     beam_width: int = _sampling_field("beam_width")
     length_penalty: float = _sampling_field("length_penalty")
+    structured_outputs: StructuredOutputsIn | None = _sampling_field("structured_outputs")
 
     @field_validator("top_k")
     @classmethod
@@ -91,6 +144,8 @@ class SamplingParamsIn(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.beam_width > 1 and self.n != 1:
             raise ValueError(f"n must be 1 with beam search (beam_width best beams are returned), got {self.n}")
+        if self.beam_width > 1 and self.structured_outputs is not None:
+            raise ValueError("structured_outputs cannot be combined with beam search (beam_width > 1)")
         return self
 
 
@@ -151,7 +206,7 @@ class JobCreate(SamplingParamsIn):
 
     def sampling_params(self) -> dict[str, Any]:
         """The sampling parameters alone, as stored with the job and passed to the engine."""
-        return self.model_dump(include=set(SamplingParamsIn.model_fields))
+        return self.model_dump(include=set(SamplingParamsIn.model_fields), by_alias=True)
 
 
 class JobBatchCreate(BaseModel):

@@ -120,6 +120,14 @@ def save_bar_chart(labels: list[str], values: list[float], ylabel: str, title: s
     fig.savefig(path, dpi=120)
 
 
+def save_with_legend(fig: Any, ax: Any, ylabel: str, path: Path) -> None:
+    """Label the y axis, add the legend, lay out and save ``fig`` as a PNG."""
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def new_figure(**kwargs: Any) -> tuple[Any, Any]:
     """A matplotlib figure and axes on the file-only Agg backend."""
     import matplotlib

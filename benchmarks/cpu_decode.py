@@ -15,7 +15,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, write_json
+from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, save_with_legend, write_json
 from engine import LLM, SamplingParams
 
 BACKENDS = ("torch", "cpu")
@@ -71,10 +71,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     ax.bar([p + 0.2 for p in positions], [r["cpu_ms"] for r in results], 0.4, label="cpu (compiled, in place)")
     ax.set_xticks(list(positions), labels)
     ax.set_xlabel("sequences x prompt tokens")
-    ax.set_ylabel("decode step (ms, fastest)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    save_with_legend(fig, ax, "decode step (ms, fastest)", path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, write_json
+from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, save_with_legend, write_json
 from kernels.cpu_extension import SOURCES, build_kernels, cpu_kernels
 from kernels.cpu_features import cpu_flags
 
@@ -140,11 +140,8 @@ def plot(results: list[dict[str, Any]], base: str, path: Path) -> None:
     ax.bar([p - 0.2 for p in positions], [r["base_us"] for r in results], 0.4, label=f"base {base[:12]}")
     ax.bar([p + 0.2 for p in positions], [r["head_us"] for r in results], 0.4, label="working tree")
     ax.set_xticks(list(positions), [f"{r['dtype']}\n{r['rows']} x {r['context']}" for r in results])
-    ax.set_ylabel("µs per call (fastest)")
     ax.set_title("CPU paged decode attention, caches past the L3")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    save_with_legend(fig, ax, "µs per call (fastest)", path)
 
 
 def main(argv: list[str] | None = None) -> None:

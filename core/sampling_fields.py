@@ -70,4 +70,6 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
                   description="beam search with this many beams when > 1"),
     SamplingField("length_penalty", 1.0, Bounds(-10.0, 10.0), Bounds(-10.0, 10.0),
                   description="beam score = logprob / length**penalty"),
+    SamplingField("structured_outputs", None, Bounds(), Bounds(),
+                  description="the output follows a JSON schema, regex, choice or grammar"),
 )}

@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": "engine.llm_engine",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "EngineStats": "engine.stats",

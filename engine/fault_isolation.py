@@ -51,6 +51,8 @@ class _SeqState:
         seq.status, seq.finish_reason, seq.text = self.status, self.finish_reason, self.text
         seq.prefix_offset, seq.read_offset = self.prefix_offset, self.read_offset
         seq.cumulative_logprob = self.cumulative_logprob
+        if seq.grammar is not None:
+            seq.grammar.replay(seq.output_token_ids)
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SequenceGroup
 from engine.stats import EngineStats, snapshot
 from engine.step_sampler import StepSampler
+from engine.structured_output import GrammarCompiler
 from kernels import select_backend
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class LLMEngine:
                                            min(config.cuda_graph_max_batch, config.max_num_seqs))
         self.runner = ModelRunner(self.model, self.cache, config.block_size, self.device, graphs)
         self.sampler = StepSampler(self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.groups = self.output_processor.groups  # live requests by id
         self.isolator = FaultIsolator(self.scheduler, self._schedule, self._run)
@@ -158,7 +160,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         validate_request(token_ids, params, self.limits)
-        group = SequenceGroup.create(request_id, text, token_ids, params, priority)
+        grammar = None if params.structured_outputs is None else self.grammars.start(params.structured_outputs)
+        group = SequenceGroup.create(request_id, text, token_ids, params, priority, grammar)
         if group.generator is None:
             group.generator = self.generator
         start_offsets(group.seqs[0])

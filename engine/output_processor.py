@@ -41,6 +41,8 @@ class OutputProcessor:
             if index is not None:
                 seq.text = seq.text[:index]
                 return "stop_string"
+        if seq.grammar is not None and seq.grammar.is_complete:  # its structured output is whole: nothing may follow
+            return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState, allowed_tokens
 
 NEG_INF = float("-inf")
 FP32 = torch.finfo(torch.float32)
@@ -32,6 +33,7 @@ class SamplingRow:
     token_ids: list[int]  # prompt + output, read only when penalties need them
     prompt_len: int
     suppressed_token_ids: list[int]
+    grammar: GrammarState | None = None  # structured outputs: only the tokens it allows next may be drawn
 
 
 @dataclass(slots=True)
@@ -189,9 +191,22 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SamplingRow]) -> 
     return results
 
 
+def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Mask to -inf the tokens each constrained row's grammar does not allow next."""
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return
+    allowed = allowed_tokens([rows[i].grammar for i in constrained], work.shape[-1])  # type: ignore[misc]
+    index = torch.tensor(constrained, dtype=torch.long)
+    if work.device.type != "cpu":
+        allowed, index = allowed.to(work.device, non_blocking=True), index.to(work.device, non_blocking=True)
+    work.index_copy_(0, index, work.index_select(0, index).masked_fill_(~allowed, NEG_INF))
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """One token per row of ``logits [rows, vocab]`` (fp32); logprobs are of the raw model output."""
-    edited = [i for i, row in enumerate(rows) if row.params.has_penalties or row.suppressed_token_ids]
+    edited = [i for i, row in enumerate(rows)
+              if row.params.has_penalties or row.suppressed_token_ids or row.grammar is not None]
     work = logits.clone() if edited else logits  # keep the raw logits intact for logprobs
     for i in edited:
         row = rows[i]
@@ -199,6 +214,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
             apply_penalties(work[i], row)
         if row.suppressed_token_ids:
             work[i, row.suppressed_token_ids] = NEG_INF
+    _apply_grammars(work, rows)
     broken = ~torch.isfinite(work.amax(dim=-1))  # a NaN or +inf logit, or every token masked
     finite = torch.nan_to_num(work, nan=NEG_INF, posinf=NEG_INF, neginf=NEG_INF)
     # greedy rows, and the fallback of degenerate random rows (max's indices are argmax's: the first maximum)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from core.structured_outputs import only_kind
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -25,6 +28,23 @@ def _is_int(value: object) -> bool:
 
 def _is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """vLLM's class of the same name, for ``SamplingParams(structured_outputs=...)``: exactly one of a JSON schema,
+    a regex, a list of choices, a Lark or GBNF grammar, or any JSON object (``json_object=True``)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that are set, as SamplingParams keeps them."""
+        return {name: value for name, value in asdict(self).items() if value not in (None, False)}
 
 
 @dataclass(slots=True)
@@ -49,12 +69,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     beam_width: int = 1
     length_penalty: float = 1.0
+    # vLLM's structured outputs: exactly one of {"json": schema, "regex": ..., "choice": [...], "grammar": Lark or
+    # GBNF, "json_object": True} (or a StructuredOutputsParams); the output then follows it
+    # (engine/structured_output.py)
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs = self.structured_outputs.as_dict()
         self._validate()
 
     def _validate(self) -> None:
@@ -117,6 +143,11 @@ class SamplingParams:
                 value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                 f"{name} must be None or an integer between 0 and {MAX_LOGPROBS}, got {value!r}",
             )
+        if self.structured_outputs is not None:
+            _require(isinstance(self.structured_outputs, dict),
+                     f"structured_outputs must be None or a dict, got {type(self.structured_outputs).__name__}")
+            only_kind(self.structured_outputs)
+            _require(not self.is_beam_search, "structured_outputs cannot be combined with beam search (beam_width > 1)")
         low, high = REPETITION_PENALTY_RANGE
         _require(
             _is_finite_number(self.repetition_penalty) and low <= self.repetition_penalty <= high,

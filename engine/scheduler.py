@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ if TYPE_CHECKING:  # the sampler's types: the scheduler only reads them
     from engine.beam_search import BeamAdvance
     from engine.sampler import SampleResult
     from engine.step_sampler import SamplerOutput
+
+logger = logging.getLogger(__name__)
 
 # why a token just appended to a sequence ends it ("stop", "length"), or None; it also decodes the text
 FinishCheck = Callable[[SequenceGroup, Sequence, int], str | None]
@@ -320,6 +323,10 @@ class Scheduler:
     ) -> None:
         token = result.token_id
         seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # only a row with no allowed token left (its stop tokens suppressed by min_tokens) samples outside
+            logger.warning("request %s sampled token %d outside its grammar; its output ends here",
+                           group.request_id, token)
         self.counters.generation_tokens += 1
         if group.first_token_time is None:
             group.first_token_time = now

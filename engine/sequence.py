@@ -6,10 +6,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarState
 
 _seq_ids = itertools.count()
 
@@ -40,6 +44,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator: torch.Generator | None = None  # a seeded request's 2nd..nth sample draws from its own
+    grammar: GrammarState | None = None  # with structured outputs: where its output stands in the grammar
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +83,7 @@ class Sequence:
             read_offset=self.read_offset,
             logprobs=list(self.logprobs),
             cumulative_logprob=self.cumulative_logprob,
+            grammar=None if self.grammar is None else self.grammar.copy(),
         )
 
 
@@ -122,13 +128,14 @@ class SequenceGroup:
     @classmethod
     def create(
         cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-        params: SamplingParams, priority: int = 0,
+        params: SamplingParams, priority: int = 0, grammar: GrammarState | None = None,
     ) -> SequenceGroup:
-        """A new request with a single sequence; ``n > 1`` forks after the prompt is computed."""
+        """A new request with a single sequence (in ``grammar``'s start state, if given); ``n > 1`` forks after the
+        prompt is computed."""
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
-        seq = Sequence(token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
+        seq = Sequence(token_ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids), grammar=grammar)
         return cls(request_id, prompt, list(prompt_token_ids), params, [seq], priority, generator=generator)
 
     def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:

@@ -42,7 +42,7 @@ class StepSampler:
         suppressed: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
             suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-        return SamplingRow(params, generator or group.generator, seq.token_ids, seq.prompt_len, suppressed)
+        return SamplingRow(params, generator or group.generator, seq.token_ids, seq.prompt_len, suppressed, seq.grammar)
 
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> SamplerOutput:
         """``logits`` holds one row per ``sampled`` sequence, in order."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cpu_decode, latency, sharing, throughput
+from benchmarks import cpu_decode, latency, sharing, structured, throughput
 
 
 def _argv(model_dir: Path, out: Path) -> list[str]:
@@ -84,3 +84,15 @@ def test_cpu_decode_pairs_both_attention_backends_on_the_same_tokens(tiny_model_
     assert (result["rows"], result["context"]) == (3, 20)
     assert result["same_tokens"] is True
     assert result["speedup"] == pytest.approx(result["torch_ms"] / result["cpu_ms"])
+
+
+def test_structured_times_every_constraint_against_the_unconstrained_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    structured.main(["--model", str(tiny_model_dir), "--rows", "3", "--prompt-tokens", "12", "--steps", "2",
+                     "--out", str(tmp_path)])
+    results = _written(tmp_path, "structured")["results"]
+    assert [r["constraint"] for r in results] == list(structured.CONSTRAINTS)
+    none = results[0]
+    assert none["vs_none"] == 1.0
+    assert all(r["rows"] == r["running_at_end"] == 3 and r["fastest_ms"] > 0 for r in results)
+    for row in results[1:]:
+        assert row["vs_none"] == pytest.approx(row["fastest_ms"] / none["fastest_ms"])

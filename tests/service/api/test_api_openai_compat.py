@@ -191,6 +191,48 @@ def test_a_chat_without_max_tokens_may_fill_a_context_past_32k_tokens(
     assert 131_072 - 64 < rest_of_context < 131_072 and explicit == 100_000
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strnig"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex"),  # two constraints
+])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unusable_output_constraint_is_400_naming_the_field_sent(
+    client: TestClient, auth_headers: dict[str, str], route: str, extra: dict[str, Any], param: str
+) -> None:
+    prompt = {"prompt": "fox"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "fox"}]}
+    error = _error(client.post(route, json={"model": "tiny", "max_tokens": 4, **prompt, **extra},
+                               headers=auth_headers))
+    assert error["param"] == param and param in error["message"], error
+    assert "jobs." not in error["message"]
+
+
+@pytest.mark.parametrize(("extra", "stored"), [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
+     {"json": {"type": "integer"}}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, {"json_object": True}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
+     {"regex": "[a-z]+", "disable_any_whitespace": True}),
+])
+def test_each_way_to_ask_for_structured_output_becomes_the_jobs_constraint(
+    extra: dict[str, Any], stored: dict[str, Any] | None
+) -> None:
+    body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "fox"}], max_tokens=4, **extra)
+    assert body.to_job().sampling_params()["structured_outputs"] == stored
+
+
 def test_a_batch_line_names_the_field_as_its_endpoint_would(client: TestClient) -> None:
     line = {"custom_id": "a", "body": {"model": "tiny", "prompt": [5] * 200}}  # past the 128-token context
     result = build_line(ApiKey(id="key_batch_test"), 1, line, COMPLETIONS, "batch_test")

@@ -41,6 +41,20 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "Hi", "metadata": {"note": "x\u0000"}}, "metadata.note"),
     ({"prompt": "Hi", "metadata": {"k\u0000": "x"}}, "metadata"),
     ({"prompt": "Hi", "webhook_url": "http://127.0.0.1/\u0000"}, "webhook_url: Value error, must not contain"),
+    # structured outputs: compiled when the job is created, each kind named
+    ({"prompt": "x", "structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex: Value error, cannot be"),
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "strnig"}}}, "structured_outputs.json"),
+    ({"prompt": "x", "structured_outputs": {"json": "{not json"}}, "structured_outputs.json: Value error, is not"),
+    ({"prompt": "x", "structured_outputs": {"json": {"k\u0000": 1}}}, "structured_outputs.json: Value error, must"),
+    ({"prompt": "x", "structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs.grammar"),
+    ({"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"prompt": "x", "structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice.1"),
+    ({"prompt": "x", "structured_outputs": {}}, "structured_outputs: Value error, structured_outputs must set exactly"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+    ({"prompt": "x", "structured_outputs": {"json_object": False}}, "exactly one of"),
+    ({"prompt": "x", "structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
+    ({"prompt": "x", "structured_outputs": "a+"}, "structured_outputs"),
+    ({"prompt": "x", "beam_width": 2, "structured_outputs": {"regex": "a"}}, "cannot be combined with beam search"),
 ]
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -309,3 +311,53 @@ def test_echo_starts_the_text_with_the_prompt(
     chunks = _sse_chunks(live_api, auth_headers, {"model": model, "prompt": "Echo this", "max_tokens": 3,
                                                   "temperature": 0.0, "echo": True})
     assert "".join(c["choices"][0]["text"] for c in chunks) == echoed.choices[0].text
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_chat_json_follows_the_schema_asked_for_in_vllms_structured_outputs(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    # compact JSON: the random model would otherwise spend its tokens on the whitespace JSON allows
+    completion = openai_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Describe someone"}], max_tokens=48, n=2, seed=1,
+        temperature=1.0, extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}})
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    job = httpx.get(f"{live_api}/v1/jobs/{completion.id.removeprefix('chatcmpl-')}", headers=auth_headers).json()
+    assert job["params"]["structured_outputs"] == {"json": PERSON, "disable_any_whitespace": True}
+
+
+def test_response_format_json_schema_and_guided_choice_constrain_completions(
+    openai_client: openai.OpenAI, model: str
+) -> None:
+    schema = {"type": "integer", "minimum": 100, "maximum": 999}
+    numbers = openai_client.completions.create(
+        model=model, prompt="A number:", max_tokens=8, n=3, seed=2, temperature=1.0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    for choice in numbers.choices:
+        assert choice.finish_reason == "stop" and 100 <= json.loads(choice.text) <= 999
+    colours = openai_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A colour?"}], max_tokens=8, temperature=0.0,
+        extra_body={"guided_choice": ["red", "dark green"]})
+    assert colours.choices[0].message.content in ("red", "dark green")
+
+
+def test_a_streamed_constrained_completion_streams_what_the_job_stored(
+    live_api: str, auth_headers: dict[str, str], model: str
+) -> None:
+    date = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+    chunks = _sse_chunks(live_api, auth_headers, {"model": model, "prompt": "Today is", "max_tokens": 32, "seed": 3,
+                                                  "guided_regex": date})
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    assert re.fullmatch(date, streamed) and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    job = httpx.get(f"{live_api}/v1/jobs/{chunks[0]['id'].removeprefix('cmpl-')}", headers=auth_headers).json()
+    assert job["text"] == streamed

@@ -64,7 +64,13 @@ def test_sigkilled_worker_jobs_finish_once_on_another_worker(
         wait_until(lambda: not _running_on(doomed_id), REAP_DEADLINE_S + 5, "the dead worker's jobs to be requeued")
         requeued_after_s = time.monotonic() - killed_at
         finals = [wait_final(client, job_id, timeout_s=120) for job_id in job_ids]
-        deliveries = {j: client.get(f"/v1/jobs/{j}/webhooks").json() for j in job_ids}
+        deliveries: dict[str, list[dict]] = {}
+
+        def deliveries_settled() -> bool:  # a final job's webhook is sent after it turned final, not with it
+            deliveries.update({j: client.get(f"/v1/jobs/{j}/webhooks").json() for j in job_ids})
+            return all(d and all(x["status"] != "pending" for x in d) for d in deliveries.values())
+
+        wait_until(deliveries_settled, 60, "every job's webhook delivery to settle")
     assert in_flight and requeued_after_s < REAP_DEADLINE_S
     assert {job["status"] for job in finals} == {"succeeded"}
     assert all(len(job["choices"][0]["token_ids"]) == 240 for job in finals)  # started over, not resumed twice

@@ -1,0 +1,108 @@
+"""Constrained decoding: each sequence with structured outputs walks its grammar token by token, and the sampler
+keeps only the tokens the grammar allows next.
+
+The grammar (core/structured_outputs.py) compiles against the model's tokenizer once per distinct constraint: a
+small LRU keeps compiled matchers and every sequence starts from a deep copy (microseconds), so a service sending
+the same schema with every request compiles it once. Masks are computed on the host, one bit per token, only for
+the rows that carry a grammar; unconstrained steps pay nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from core.structured_outputs import StructuredOutputError, grammar_of
+
+logger = logging.getLogger(__name__)
+
+COMPILED_GRAMMARS_KEPT = 64
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarState:
+    """Where one sequence stands in its grammar: the tokens it took so far."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it (the state is then broken)."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """True once the grammar is satisfied and allows nothing more (nothing but end of sequence)."""
+        return self.matcher.is_stopped()
+
+    def copy(self) -> GrammarState:
+        """An independent state at the same place (for a forked sequence)."""
+        return GrammarState(self.matcher.deep_copy())
+
+    def replay(self, token_ids: list[int]) -> None:
+        """Start over and take ``token_ids`` (a rolled-back step's sequence, restored to its earlier tokens)."""
+        self.matcher.reset()
+        self.matcher.consume_tokens(token_ids)
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    # the masks are filled while torch's threads idle (the sampler waits for them): as many threads as torch's
+    return llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+
+
+def allowed_tokens(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """``[len(states), vocab_size]`` booleans on the CPU: which tokens each state allows next (the rows filled in
+    parallel by llguidance's thread pool)."""
+    # a prompt forking into n samples has n rows on one state: each state is filled once (and must be: the pool
+    # borrows each matcher mutably)
+    unique = list({id(state): state for state in states}.values())
+    words = torch.empty(len(unique), -(-vocab_size // 32), dtype=torch.int32)
+    row_bytes = words.shape[1] * words.element_size()
+    _executor().unsafe_compute_mask_ptr([(state.matcher, i) for i, state in enumerate(unique)],
+                                        words.data_ptr(), row_bytes, len(unique))
+    if len(unique) < len(states):
+        row_of = {id(state): i for i, state in enumerate(unique)}
+        words = words[[row_of[id(state)] for state in states]]
+    bits = (words[:, :, None] >> _BIT_SHIFTS) & 1
+    return bits.reshape(len(states), -1)[:, :vocab_size].bool()
+
+
+class GrammarCompiler:
+    """Compiles structured-output constraints against the model's tokenizer and hands out grammar states."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width (the model's, which may pad the tokenizer's)
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built at the first constraint (about a second)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
+        return self._tokenizer
+
+    def start(self, spec: dict[str, Any]) -> GrammarState:
+        """A fresh state of the grammar ``spec`` describes; StructuredOutputError names the field it cannot use."""
+        kind, grammar = grammar_of(spec)
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+            if compiled.is_error():
+                raise StructuredOutputError(kind, f"cannot be used with this model: {compiled.get_error().strip()}")
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > COMPILED_GRAMMARS_KEPT:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return GrammarState(compiled.deep_copy())
