@@ -39,7 +39,7 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
             # kept for reading back shows U+FFFD there instead
             prompt = model.tokenizer.decode(body.prompt_token_ids, skip_special_tokens=False).replace("\x00", "\ufffd")
         else:
-            prompt = body.prompt if messages is None else model.render_chat(messages)
+            prompt = body.prompt if messages is None else model.render_chat(messages, tools=body.chat_tools())
             num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field_prefix + field,
                                                  field_prefix + "max_tokens")
     except PromptTooLongError as exc:

@@ -28,6 +28,8 @@ from core.openai_responses import (
     error_object,
     final_choices,
     job_failure,
+    streams_tool_calls,
+    tool_call_deltas,
     total_usage,
     usage,
 )
@@ -104,6 +106,7 @@ class _JobRelay:
         self.text_offsets: dict[int, int] = {}  # per choice: the text length its streamed tokens' logprobs cover
         self.completion_tokens = 0
         self.ok = True  # False once the job's stream ended with an error chunk
+        self.holds_text = endpoint == CHAT_COMPLETIONS and streams_tool_calls(job)  # sent as tool calls at the end
 
     def _chunk(self, choices: list[dict[str, Any]]) -> str:
         payload = chunk(self.response, self.model, self.endpoint, choices)
@@ -140,8 +143,8 @@ class _JobRelay:
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TokenEvent):
                     self.completion_tokens += len(event.delta["token_ids"])
-                    if not event.delta["text"] and not event.delta.get("logprobs"):
-                        continue  # a token that ends mid-character adds no text yet
+                    if self.holds_text or (not event.delta["text"] and not event.delta.get("logprobs")):
+                        continue  # held for tool calls, or a token that ends mid-character adds no text yet
                     yield self._chunk([self._token_choice(event.delta)])
                 elif isinstance(event, RestartEvent):
                     # streamed text cannot be taken back: end this stream, the job itself runs on
@@ -155,6 +158,8 @@ class _JobRelay:
                         yield self._error(problem.status_code, problem.message)
                         return
                     self.completion_tokens = event.job.completion_tokens or 0
+                    if self.holds_text:
+                        yield self._chunk(tool_call_deltas(event.job, self.prompt_index))
                     yield self._chunk(final_choices(event.job, self.endpoint, self.prompt_index))
 
 

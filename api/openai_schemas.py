@@ -11,6 +11,7 @@ from api.errors import ApiError
 from api.prompts import prompt_model
 from api.schemas import JobCreate, MetadataValue, NulFreeStr, StructuredOutputsIn, sampling_bounds
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
+from core.tool_calls import NAMED_PREFIX, REQUIRED, call_schema
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
 _OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -323,6 +324,35 @@ class ChatMessageIn(OpenAIBody):
         return message
 
 
+class FunctionDef(OpenAIBody):
+    """A function a chat request offers the model."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; forced calls always follow the schema, "auto" ones are not parsed
+
+
+class ToolDef(OpenAIBody):
+    """One of a chat request's tools."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(OpenAIBody):
+    """The function a named tool_choice forces."""
+
+    name: str
+
+
+class NamedToolChoice(OpenAIBody):
+    """tool_choice forcing one function: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(OpenAIRequest):
     """Body of POST /v1/chat/completions."""
 
@@ -331,22 +361,73 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = bounded_as("max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = bounded_as("logprobs")
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, value: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [tool.function.name for tool in value or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"function names must be distinct, got {names}")
+        return value
 
     def to_job(self) -> JobCreate:
         """The job that answers this request; without a token limit it may fill the rest of the context."""
         messages = [m.as_job_message() for m in self.messages]
+        tools = self._chat_tools()
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        max_tokens = limit if limit is not None else self._rest_of_context(messages)
+        max_tokens = limit if limit is not None else self._rest_of_context(messages, tools)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._job(CHAT_COMPLETIONS, max_tokens, logprobs, messages=messages)
+        return self._job(CHAT_COMPLETIONS, max_tokens, logprobs, messages=messages, tools=tools)
+
+    def _chat_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them; every tool_choice but "none" shows them, as vLLM does by
+        default ("none" too: the model still sees what it may not call)."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": tool.function.model_dump(include={"name", "description",
+                                                                                   "parameters"}, exclude_none=True)}
+                for tool in self.tools]
+
+    def _tool_mode(self) -> str | None:
+        """How the output is forced into tool calls: "required", "function:<name>", or None (free text)."""
+        if self.tool_choice is None or self.tool_choice in ("none", "auto"):
+            return None  # "auto" without a tool-call parser: the model's text comes back as content
+        names = [tool.function.name for tool in self.tools or []]
+        if not names:
+            raise ApiError(400, "tool_choice other than none/auto needs tools to choose from", "tool_choice")
+        if self.tool_choice == "required":
+            return REQUIRED
+        name = self.tool_choice.function.name  # type: ignore[union-attr]
+        if name not in names:
+            raise ApiError(400, f"tool_choice.function.name '{name}' is not one of the tools ({', '.join(names)})",
+                           "tool_choice.function.name")
+        return NAMED_PREFIX + name
+
+    def _constraint_sources(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
+        sources = super()._constraint_sources()
+        mode = self._tool_mode()
+        if mode is not None:
+            tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+            named = [i for i, tool in enumerate(tools) if NAMED_PREFIX + tool["function"]["name"] == mode]
+            # a named function's own schema is named by its place; "required" joins every tool's into one schema
+            field = f"tools.{named[0]}.function.parameters" if named else "tools"
+            sources["tool_choice"] = {"json": call_schema(tools, mode, self.parallel_tool_calls)}, {"json": field}
+        return sources
+
+    def _metadata(self) -> dict[str, MetadataValue]:
+        mode = self._tool_mode()
+        return {"openai_tool_choice": mode} if mode else {}
 
     def sent_as(self) -> dict[str, str]:
         return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
 
-    def _rest_of_context(self, messages: list[dict[str, Any]]) -> int:
+    def _rest_of_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         model = prompt_model()
         try:
-            num_prompt_tokens = model.count_tokens(model.render_chat(messages))
+            num_prompt_tokens = model.count_tokens(model.render_chat(messages, tools=tools))
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from exc
         return max(1, model.max_model_len - num_prompt_tokens)

@@ -187,6 +187,32 @@ class ChatMessage(BaseModel):
         return self
 
 
+class FunctionIn(BaseModel):
+    """A function the model may call: its name, what it does and its parameters' JSON schema."""
+
+    model_config = _STRICT
+
+    name: NulFreeStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: NulFreeStr | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _nul_free_parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and "\\u0000" in json.dumps(value):  # the prompt it renders into is stored
+            raise ValueError("must not contain the NUL character (\\u0000)")
+        return value
+
+
+class ToolIn(BaseModel):
+    """A tool definition, passed to the chat template as `tools` (as vLLM and transformers do)."""
+
+    model_config = _STRICT
+
+    type: Literal["function"] = "function"
+    function: FunctionIn
+
+
 class JobCreate(SamplingParamsIn):
     """Body of POST /v1/jobs: a prompt or chat messages, sampling parameters and delivery options."""
 
@@ -194,6 +220,8 @@ class JobCreate(SamplingParamsIn):
     prompt_token_ids: list[int] | None = Field(
         None, min_length=1, max_length=131_072, description="the prompt as token ids, passed to the engine as given")
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=256)
+    tools: list[ToolIn] | None = Field(
+        None, min_length=1, max_length=128, description="with messages: tool definitions for the chat template")
     priority: int = Field(0, ge=-1000, le=1000)
     metadata: dict[NulFreeStr, MetadataValue] | None = Field(None, max_length=32)
     webhook_url: NulFreeStr | None = Field(None, min_length=1, max_length=2048)
@@ -202,7 +230,13 @@ class JobCreate(SamplingParamsIn):
     def _prompt_xor_messages(self) -> JobCreate:
         if sum(value is not None for value in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are rendered by the chat template: give them with messages")
         return self
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The tool definitions as the chat template reads them (unset fields left out)."""
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def sampling_params(self) -> dict[str, Any]:
         """The sampling parameters alone, as stored with the job and passed to the engine."""

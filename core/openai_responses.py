@@ -11,6 +11,7 @@ from core.job_payload import REFUSED
 from core.models import Job, JobStatus
 from core.prompts import configured_prompt_model
 from core.settings import get_settings
+from core.tool_calls import tool_calls
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -149,17 +150,53 @@ def completion_body(job: Job, model: str) -> dict[str, Any]:
             "choices": choices, "usage": usage(job)}
 
 
+def _tool_calls(job: Job, choice: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tool calls of a chat choice whose request forced them (tool_choice "required" or a named function);
+    None without that, or when max_tokens cut the calls off (the text is then answered as content)."""
+    mode = (job.metadata_ or {}).get("openai_tool_choice")
+    if not mode or choice.get("finish_reason") == "length":
+        return None
+    return tool_calls(str(mode), choice["text"], f"call_{job.id}_{choice['index']}_")
+
+
+def _chat_finish_reason(job: Job, choice: dict[str, Any]) -> str:
+    return "tool_calls" if _tool_calls(job, choice) is not None else _finish_reason(choice)
+
+
 def chat_body(job: Job, model: str) -> dict[str, Any]:
-    """The chat.completion object of a succeeded job."""
+    """The chat.completion object of a succeeded job; forced tool calls come as the message's tool_calls."""
     num_top = job.params.get("logprobs")
+
+    def message(choice: dict[str, Any]) -> dict[str, Any]:
+        calls = _tool_calls(job, choice)
+        if calls is None:
+            return {"role": "assistant", "content": choice["text"]}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
     choices = [{
-        "index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-        "finish_reason": _finish_reason(c),
+        "index": c["index"], "message": message(c), "finish_reason": _chat_finish_reason(job, c),
         "logprobs": _chat_logprobs(steps) if num_top is not None and (steps := _choice_steps(c, num_top, False))
         else None,
     } for c in job.output or []]
     return {"id": job.id, "object": "chat.completion", "created": _created(job), "model": model,
             "choices": choices, "usage": usage(job)}
+
+
+def streams_tool_calls(job: Job) -> bool:
+    """Whether a chat job's stream holds its text back: forced tool calls are sent whole once the job is done."""
+    return bool((job.metadata_ or {}).get("openai_tool_choice"))
+
+
+def tool_call_deltas(job: Job, prompt_index: int = 0) -> list[dict[str, Any]]:
+    """The chunk choices that carry a finished tool-call job's output: its calls, or its text where they were cut
+    off."""
+    deltas = []
+    for c in job.output or []:
+        calls = _tool_calls(job, c)
+        delta = {"content": c["text"]} if calls is None else {
+            "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        deltas.append({"index": choice_index(job, prompt_index, c["index"]), "delta": delta, "finish_reason": None})
+    return deltas
 
 
 def response_body(job: Job, model: str, endpoint: str) -> dict[str, Any]:
@@ -196,5 +233,6 @@ def delta_choice(endpoint: str, index: int, text: str, finish_reason: str | None
 
 def final_choices(job: Job, endpoint: str, prompt_index: int = 0) -> list[dict[str, Any]]:
     """The closing choice of each completion: no new text, its finish reason."""
-    return [delta_choice(endpoint, choice_index(job, prompt_index, c["index"]), "", _finish_reason(c))
+    finish = _chat_finish_reason if endpoint == CHAT_COMPLETIONS else lambda _job, c: _finish_reason(c)
+    return [delta_choice(endpoint, choice_index(job, prompt_index, c["index"]), "", finish(job, c))
             for c in job.output or []]

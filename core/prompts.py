@@ -40,15 +40,19 @@ class PromptModel:
     chat_template: str | None
     special_tokens: dict[str, str]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for chat messages, through the model's own chat template."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for chat messages (and tool definitions, for templates that show them), through the
+        model's own chat template."""
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; send a prompt instead")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # templates test `tools is defined` or `tools`: only given tools are passed
+        extra = {"tools": tools} if tools else {}
         try:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
+                                   **self.special_tokens, **extra)
         except TemplateError as exc:
             raise ValueError(f"messages: the model's chat template failed: {exc}") from exc
 

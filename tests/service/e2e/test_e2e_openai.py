@@ -361,3 +361,52 @@ def test_a_streamed_constrained_completion_streams_what_the_job_stored(
     assert re.fullmatch(date, streamed) and chunks[-1]["choices"][0]["finish_reason"] == "stop"
     job = httpx.get(f"{live_api}/v1/jobs/{chunks[0]['id'].removeprefix('cmpl-')}", headers=auth_headers).json()
     assert job["text"] == streamed
+
+
+# compact JSON (llguidance's x-guidance option, read from the schema): the random model would otherwise spend its
+# tokens on the whitespace JSON allows
+CITY_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                    "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def test_a_named_tool_choice_answers_with_a_call_whose_arguments_follow_its_schema(
+    openai_client: openai.OpenAI, model: str
+) -> None:
+    completion = openai_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather?"}], max_tokens=32, n=2, seed=4, temperature=1.0,
+        tools=[CITY_TOOL, CLOCK_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.type == "function" and call.function.name == "get_weather" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), CITY_TOOL["function"]["parameters"])
+
+
+def test_tool_choice_required_calls_one_of_the_tools(openai_client: openai.OpenAI, model: str) -> None:
+    completion = openai_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather or time?"}], max_tokens=40, n=3, seed=5,
+        temperature=1.0, tools=[CITY_TOOL, CLOCK_TOOL], tool_choice="required", parallel_tool_calls=False)
+    tools = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (CITY_TOOL, CLOCK_TOOL)}
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls or []
+        jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name])
+
+
+def test_a_streamed_tool_call_arrives_whole_in_tool_call_deltas(openai_client: openai.OpenAI, model: str) -> None:
+    request = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], max_tokens=32, seed=6,
+                   temperature=1.0, tools=[CITY_TOOL],
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = openai_client.chat.completions.create(**request)
+    chunks = list(openai_client.chat.completions.create(**request, stream=True))
+    calls = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or []]
+    assert not any(choice.delta.content for c in chunks for choice in c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    (streamed,) = calls
+    (expected,) = whole.choices[0].message.tool_calls or []
+    assert (streamed.function.name, streamed.function.arguments) == (expected.function.name,
+                                                                     expected.function.arguments)

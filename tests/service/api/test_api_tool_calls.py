@@ -1,0 +1,137 @@
+"""Forced tool calls on /v1/chat/completions (tool_choice "required" or a named function, as vLLM makes them): the
+constraint each builds, the 400s naming what is wrong, the tools reaching the chat template, and a finished job's
+text answered as tool calls. The model runs in tests/service/e2e/test_e2e_openai.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from api.openai_schemas import ChatCompletionRequest
+from api.prompts import prompt_model
+from core.models import Job, JobStatus
+from core.openai_responses import chat_body, final_choices, tool_call_deltas
+from core.tool_calls import NAMED_PREFIX, REQUIRED, call_schema, tool_calls
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: an empty object
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def database_url(sqlite_url: str) -> str:
+    """SQLite only: these checks answer before any job runs."""
+    return sqlite_url
+
+
+def _request(**extra: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=None, messages=MESSAGES, max_tokens=32, **extra)
+
+
+def test_a_named_function_constrains_the_output_to_its_parameters() -> None:
+    job = _request(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    job_create = job.to_job()
+    assert job_create.metadata is not None and job_create.metadata["openai_tool_choice"] == NAMED_PREFIX + "get_weather"
+    assert job_create.sampling_params()["structured_outputs"] == {"json": WEATHER["function"]["parameters"]}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_constrains_the_output_to_calls_of_the_tools(parallel: bool) -> None:
+    spec = _request(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=parallel).to_job()
+    schema = spec.sampling_params()["structured_outputs"]["json"]
+    good = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
+    jsonschema.validate(good[:1], schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "launch", "parameters": {}}],
+                [{"name": "get_time"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    if parallel:
+        jsonschema.validate(good, schema)
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(good, schema)
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none"])
+def test_auto_and_none_leave_the_output_free_and_show_the_tools(choice: str | None) -> None:
+    job = _request(tools=[WEATHER], tool_choice=choice).to_job()
+    assert job.sampling_params()["structured_outputs"] is None and "openai_tool_choice" not in (job.metadata or {})
+    assert job.tools is not None and job.tools[0].function.name == "get_weather"
+
+
+def test_the_tools_reach_a_chat_template_that_shows_them(client: TestClient, auth_headers: dict[str, str]) -> None:
+    template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    model = dataclasses.replace(prompt_model(), chat_template=template)
+    assert model.render_chat(MESSAGES, tools=[WEATHER, CLOCK]) == "TOOLS:get_weather;get_time;Weather in Paris?"
+    assert model.render_chat(MESSAGES) == "Weather in Paris?"
+    body = {"messages": MESSAGES, "max_tokens": 4, "tools": [WEATHER]}
+    response = client.post("/v1/jobs", json=body, headers=auth_headers)
+    assert response.status_code == 202, response.text
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
+    ({"tools": [CLOCK, {"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.1.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_a_bad_tool_request_is_400_naming_the_field(
+    client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 4, **extra}
+    response = client.post("/v1/chat/completions", json=body, headers=auth_headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_tools_on_the_job_api_need_messages(client: TestClient, auth_headers: dict[str, str]) -> None:
+    response = client.post("/v1/jobs", json={"prompt": "x", "tools": [WEATHER]}, headers=auth_headers)
+    assert response.status_code == 422 and "tools are rendered by the chat template" in response.text
+
+
+def _job(mode: str, outputs: list[tuple[str, str]]) -> Job:
+    return Job(id="job1", status=JobStatus.succeeded, params={"n": len(outputs), "logprobs": None},
+               metadata_={"openai_tool_choice": mode}, created_at=datetime.now(UTC), prompt_tokens=5,
+               completion_tokens=9, output=[{"index": i, "text": text, "token_ids": [], "finish_reason": reason}
+                                            for i, (text, reason) in enumerate(outputs)])
+
+
+def test_a_finished_job_answers_with_its_tool_calls_and_a_cut_off_one_with_its_text() -> None:
+    calls = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
+    job = _job(REQUIRED, [(json.dumps(calls), "stop"), ('[{"name": "get_wea', "length")])
+    first, cut = chat_body(job, "m")["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in first["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert len({c["id"] for c in first["message"]["tool_calls"]}) == 2
+    assert cut["finish_reason"] == "length" and cut["message"] == {"role": "assistant", "content": '[{"name": "get_wea'}
+    assert chat_body(job, "m") == chat_body(job, "m")  # the same ids every time the job is read
+    deltas = tool_call_deltas(job)
+    assert deltas[0]["delta"]["tool_calls"][1]["function"]["name"] == "get_time"
+    assert deltas[1]["delta"] == {"content": '[{"name": "get_wea'}
+    assert [c["finish_reason"] for c in final_choices(job, "/v1/chat/completions")] == ["tool_calls", "length"]
+
+
+def test_a_named_call_takes_the_whole_text_as_its_arguments() -> None:
+    (call,) = tool_calls(NAMED_PREFIX + "get_weather", '{"city": "Rome"}', "call_x_")  # type: ignore[misc]
+    assert call == {"id": "call_x_0", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    assert call_schema([WEATHER], NAMED_PREFIX + "get_weather", True) == WEATHER["function"]["parameters"]
