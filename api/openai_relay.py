@@ -24,6 +24,7 @@ from core.openai_responses import (
     chunk,
     delta_choice,
     delta_logprobs,
+    echo_logprobs,
     echoed_prompt,
     error_object,
     final_choices,
@@ -129,19 +130,36 @@ class _JobRelay:
                 self.text_offsets[delta["index"]] = offset + sum(len(token) for token in logprobs["tokens"])
         return choice
 
+    def _echo_chunk(self, prompt: str, scores: dict[str, Any] | None) -> str:
+        """The chunk that echoes the prompt into every choice, with its tokens' logprobs when `scores` holds them
+        (the tokens streamed after it then count their text_offset on from the prompt's end)."""
+        choices = [delta_choice(self.endpoint, choice_index(self.job, self.prompt_index, i), prompt)
+                   for i in range(self.job.params["n"])]
+        if scores is not None and self.num_top_logprobs is not None:
+            logprobs = echo_logprobs(scores, self.num_top_logprobs)
+            self.text_offsets = dict.fromkeys(range(self.job.params["n"]), sum(map(len, logprobs["tokens"])))
+            choices = [{**choice, "logprobs": logprobs} for choice in choices]
+        return self._chunk(choices)
+
     async def lines(self) -> AsyncIterator[str]:
-        """Opening chunks (chat role, echoed prompt), one chunk per token delta, then the closing chunk."""
+        """Opening chunks (chat role, echoed prompt), one chunk per token delta, then the closing chunk. An echo
+        that scores its prompt waits for the scores, which come with the first tokens."""
         indexes = [choice_index(self.job, self.prompt_index, i) for i in range(self.job.params["n"])]
         if self.endpoint == CHAT_COMPLETIONS:
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                                for i in indexes])
-        if prompt := echoed_prompt(self.job):
-            yield self._chunk([delta_choice(self.endpoint, i, prompt) for i in indexes])
+        prompt = echoed_prompt(self.job)
+        scored_echo = bool(prompt) and self.job.params.get("prompt_logprobs") is not None
+        if prompt and not scored_echo:
+            yield self._echo_chunk(prompt, None)
         async with aclosing(follow_job(self.job.id)) as events:
             async for event in events:
                 if event is None:
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TokenEvent):
+                    if scored_echo and "prompt_logprobs" in event.delta:
+                        yield self._echo_chunk(prompt, event.delta)
+                        scored_echo = False
                     self.completion_tokens += len(event.delta["token_ids"])
                     if self.holds_text or (not event.delta["text"] and not event.delta.get("logprobs")):
                         continue  # held for tool calls, or a token that ends mid-character adds no text yet
@@ -158,6 +176,9 @@ class _JobRelay:
                         yield self._error(problem.status_code, problem.message)
                         return
                     self.completion_tokens = event.job.completion_tokens or 0
+                    if scored_echo:  # no token event carried the scores (Redis lost them): the job keeps them
+                        first = (event.job.output or [{}])[0]
+                        yield self._echo_chunk(prompt, first if "prompt_logprobs" in first else None)
                     if self.holds_text:
                         yield self._chunk(tool_call_deltas(event.job, self.prompt_index))
                     yield self._chunk(final_choices(event.job, self.endpoint, self.prompt_index))

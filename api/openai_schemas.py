@@ -245,8 +245,6 @@ class CompletionRequest(OpenAIRequest):
         # echo with logprobs gives the prompt's tokens their logprobs too (the first has none), as lm-eval's
         # loglikelihood requests expect; the prompt is computed whole for it (no cached prefix)
         prompt_logprobs = self.logprobs if self.echo else None
-        if prompt_logprobs is not None and self.stream:
-            raise ApiError(400, "echo with logprobs is not supported with stream: true; ask without streaming", "echo")
         return [self._job(COMPLETIONS, self.max_tokens, self.logprobs, prompt_logprobs,
                           **_prompt_field(p, "prompt" if len(prompts) == 1 else f"prompt.{i}"))
                 for i, p in enumerate(prompts)]

@@ -127,6 +127,12 @@ def delta_logprobs(endpoint: str, delta: dict[str, Any], num_top: int, text_offs
     return _chat_logprobs(steps) if endpoint == CHAT_COMPLETIONS else _completion_logprobs(steps, text_offset)
 
 
+def echo_logprobs(scores: dict[str, Any], num_top: int) -> dict[str, Any]:
+    """The logprobs of a completion's echoed prompt (`scores`: its prompt_token_ids and prompt_logprobs), the first
+    token's null: what a stream's echo chunk carries."""
+    return _completion_logprobs(_steps(scores["prompt_token_ids"], scores["prompt_logprobs"], num_top))
+
+
 def _choice_steps(choice: dict[str, Any], num_top: int, with_prompt: bool) -> list[Step]:
     """A choice's generated tokens' steps, after its prompt's when asked for and kept (echo with logprobs)."""
     steps = _steps(choice["token_ids"], choice["logprobs"], num_top) if choice.get("logprobs") else []

@@ -18,7 +18,7 @@ from core.models import Job, JobStatus, utcnow
 from worker import drain, heartbeat
 from worker.cancel_watch import Stop, cancel_watcher
 from worker.engine_service import EngineService, RequestHandle
-from worker.token_stream import request_id_for, stored_logprobs
+from worker.token_stream import prompt_scores, request_id_for, stored_logprobs
 
 logger = logging.getLogger("pagedserve.worker")
 
@@ -45,11 +45,7 @@ def _claim(job_id: str) -> Job | None:
 
 
 def _choices(output: Any) -> list[dict[str, Any]]:
-    # a request that asked for its prompt's logprobs keeps them with each choice, with the ids they score
-    prompt = {} if output.prompt_logprobs is None else {
-        "prompt_token_ids": list(output.prompt_token_ids),
-        "prompt_logprobs": [None, *stored_logprobs(output.prompt_logprobs[1:])],
-    }
+    prompt = prompt_scores(output)  # a request that asked for its prompt's logprobs keeps them with each choice
     return [
         {
             "index": c.index,

@@ -36,12 +36,22 @@ def stored_logprobs(steps: list[dict[int, float]]) -> list[dict[str, float]]:
     return [{str(token_id): logprob for token_id, logprob in step.items()} for step in steps]
 
 
+def prompt_scores(output: Any) -> dict[str, Any]:
+    """A request's prompt logprobs as a job keeps them (with the ids they score; the first token has none), or {}
+    when it did not ask for them."""
+    if output.prompt_logprobs is None:
+        return {}
+    return {"prompt_token_ids": list(output.prompt_token_ids),
+            "prompt_logprobs": [None, *stored_logprobs(output.prompt_logprobs[1:])]}
+
+
 @dataclass(slots=True)
 class StreamProgress:
-    """What a request has streamed so far, per completion index."""
+    """What a request has streamed so far, per completion index (and whether its prompt's logprobs went out)."""
 
     texts: dict[int, str] = field(default_factory=dict)
     token_counts: dict[int, int] = field(default_factory=dict)
+    prompt_scored: bool = False
 
     def deltas(self, output: Any) -> list[dict[str, Any]]:
         """New text and token ids (and their logprobs, when the request asked for them) since the last output, one
@@ -61,6 +71,9 @@ class StreamProgress:
                 deltas.append(delta)
             self.texts[completion.index] = completion.text
             self.token_counts[completion.index] = len(completion.token_ids)
+        if deltas and not self.prompt_scored:  # a stream that echoes its prompt scores it before any token
+            deltas[0].update(prompt_scores(output))
+            self.prompt_scored = True
         return deltas
 
 

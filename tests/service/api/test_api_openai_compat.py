@@ -69,7 +69,6 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
 @pytest.mark.parametrize(("extra", "param"), [
     ({"suffix": "the end"}, "suffix"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True, "logprobs": 1, "stream": True}, "echo"),  # the prompt's logprobs are given unstreamed only
     ({"prompt": []}, "prompt"),
     ({"prompt": [[5], []]}, "prompt"),
     ({"prompt": [[1, 2], [10**6]]}, "prompt.1"),

@@ -138,6 +138,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
         assert stored_logprobs == logprobs.token_logprobs[1 : len(prompt_ids)]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_echo_scores_the_prompt_as_the_unstreamed_one_does(
+    live_api: str, auth_headers: dict[str, str], model: str, n: int
+) -> None:
+    body = {"model": model, "prompt": "The quick brown fox jumps", "max_tokens": 3, "n": n, "seed": 8,
+            "temperature": 1.0, "echo": True, "logprobs": 2}
+    whole = httpx.post(f"{live_api}/v1/completions", json=body, headers=auth_headers, timeout=60).json()
+    chunks = _sse_chunks(live_api, auth_headers, body)
+    for choice in whole["choices"]:
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        streamed = [c["logprobs"] for c in mine if c["logprobs"]]
+        assert streamed[0]["token_logprobs"][0] is None  # the echo chunk comes first, scored
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for part in streamed for v in part[key]] == choice["logprobs"][key], key
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streamed_logprobs_equal_the_non_streamed_ones(openai_client: openai.OpenAI, model: str, endpoint: str) -> None:
     # vLLM streams logprobs too: each chunk carries those of its tokens (a completion's text_offset counting on)
