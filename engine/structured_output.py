@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -77,32 +78,50 @@ def allowed_tokens(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
 
 
 class GrammarCompiler:
-    """Compiles structured-output constraints against the model's tokenizer and hands out grammar states."""
+    """Compiles structured-output constraints against the model's tokenizer and hands out grammar states.
+
+    Thread-safe: a service compiles a request's grammar on the request's own thread (llguidance drops the GIL while
+    it compiles), so that a large schema never holds up the engine's steps; the engine thread then finds it kept.
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (the model's, which may pad the tokenizer's)
         self._eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built at the first constraint (about a second)
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # never advanced: copied from
+        self._lock = threading.Lock()
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
+            return self._tokenizer
 
-    def start(self, spec: dict[str, Any]) -> GrammarState:
-        """A fresh state of the grammar ``spec`` describes; StructuredOutputError names the field it cannot use."""
+    def is_compiled(self, spec: dict[str, Any]) -> bool:
+        """Whether the grammar of ``spec`` is kept compiled (``start`` then costs a copy)."""
+        with self._lock:
+            return grammar_of(spec)[1] in self._compiled
+
+    def compile(self, spec: dict[str, Any]) -> llguidance.LLMatcher:
+        """The compiled start state of the grammar ``spec`` describes (compiled now unless kept); a
+        StructuredOutputError names the field this model cannot use."""
         kind, grammar = grammar_of(spec)
-        compiled = self._compiled.get(grammar)
-        if compiled is None:
-            compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-            if compiled.is_error():
-                raise StructuredOutputError(kind, f"cannot be used with this model: {compiled.get_error().strip()}")
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled
+        compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)  # outside the lock
+        if compiled.is_error():
+            raise StructuredOutputError(kind, f"cannot be used with this model: {compiled.get_error().strip()}")
+        with self._lock:
             self._compiled[grammar] = compiled
             if len(self._compiled) > COMPILED_GRAMMARS_KEPT:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar)
-        return GrammarState(compiled.deep_copy())
+        return compiled
+
+    def start(self, spec: dict[str, Any]) -> GrammarState:
+        """A fresh state of the grammar ``spec`` describes; StructuredOutputError names the field it cannot use."""
+        return GrammarState(self.compile(spec).deep_copy())

@@ -107,8 +107,16 @@ class EngineService:
         self._thread.join(timeout_s)
 
     def submit(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0) -> RequestHandle:
-        """Queue a request for the engine; its outputs (or a ValueError) arrive on the handle."""
+        """Queue a request for the engine; its outputs (or a ValueError) arrive on the handle. A structured-output
+        constraint is compiled here, on the caller's thread, so that one tenant's large schema does not stall the
+        engine's steps for everyone (the engine then finds it compiled)."""
         handle = RequestHandle(request_id)
+        if getattr(params, "structured_outputs", None) is not None:
+            try:
+                self.engine.grammars.compile(params.structured_outputs)
+            except ValueError as exc:  # refused as add_request would refuse it
+                handle.outputs.put(exc)
+                return handle
         self._commands.put(_Add(handle, prompt, params, priority))
         return handle
 

@@ -155,3 +155,21 @@ def test_start_building_loads_the_engine_on_the_thread_that_steps_it_and_raises_
 
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineService.start_building(broken)
+
+
+def test_a_structured_request_compiles_on_the_submitting_thread_not_the_engines(tiny_model_dir: Path) -> None:
+    # the service is not started: nothing but submit itself can have compiled the grammar
+    engine = LLMEngine.from_kwargs(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB")
+    service = EngineService(engine)
+    date = {"regex": "20[0-9]{2}-[01][0-9]"}
+    handle = service.submit("dated", "Today is", SamplingParams(max_tokens=16, structured_outputs=date))
+    assert engine.grammars.is_compiled(date) and handle.outputs.empty()
+    refused = service.submit("bad", "Today is", SamplingParams(max_tokens=4, structured_outputs={"regex": "[0-"}))
+    error = refused.outputs.get_nowait()
+    assert isinstance(error, ValueError) and "structured_outputs.regex" in str(error)
+    service.start()
+    try:
+        output = _collect(handle)
+        assert output.outputs[0].finish_reason == "stop" and len(output.outputs[0].text) == 7
+    finally:
+        service.stop()
