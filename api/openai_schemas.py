@@ -171,8 +171,9 @@ class OpenAIRequest(OpenAIBody):
                 sources[field] = {kind: value}, {kind: field}
         return sources
 
-    def _structured_outputs(self) -> dict[str, Any] | None:
-        """The job's structured outputs, from the one field that asks for them; a 400 names the field sent."""
+    def _structured_outputs(self) -> StructuredOutputsIn | None:
+        """The job's structured outputs, from the one field that asks for them, checked once here (the job takes
+        them as checked); a 400 names the field sent."""
         sources = self._constraint_sources()
         if len(sources) > 1:
             raise ApiError(400, f"give only one of {', '.join(sources)}: each constrains the output",
@@ -180,14 +181,13 @@ class OpenAIRequest(OpenAIBody):
         if not sources:
             return None
         (source, (spec, fields)), = sources.items()
-        try:  # checked as the job will check it, so that the error names the field this request sent
-            StructuredOutputsIn.model_validate(spec)
+        try:  # checked here, not by the job, so that the error names the field this request sent
+            return StructuredOutputsIn.model_validate(spec)
         except ValidationError as exc:
             error = exc.errors()[0]
             kind = str(error["loc"][0]) if error["loc"] else None
             field = fields.get(kind or "", f"{source}.{kind}" if kind else source)
             raise ApiError(400, f"{field}: {error['msg']}", field) from None
-        return spec
 
     def _metadata(self) -> dict[str, MetadataValue]:
         """Endpoint-specific job metadata the response builder reads back."""

@@ -21,7 +21,7 @@ from pydantic import (
 from core.job_payload import JobOut
 from core.models import DeliveryStatus
 from core.sampling_fields import SAMPLING_FIELDS
-from core.structured_outputs import StructuredOutputError, grammar_of, only_kind
+from core.structured_outputs import StructuredOutputError, grammar_of, only_kind, set_fields
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -89,7 +89,7 @@ class StructuredOutputsIn(BaseModel):
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # stored with the job as the engine takes it: the kind that is set (and the option, when on)
-        return {name: value for name, value in handler(self).items() if value not in (None, False)}
+        return set_fields(handler(self))
 
 
 class SamplingParamsIn(BaseModel):

@@ -31,6 +31,11 @@ class StructuredOutputError(ValueError):
         super().__init__(f"{self.field} {reason}")
 
 
+def set_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `spec` that are set: None and False (an option off, json_object false) are unset."""
+    return {name: value for name, value in spec.items() if value is not None and value is not False}
+
+
 def only_kind(spec: dict[str, Any]) -> str:
     """The one kind of constraint `spec` sets (its keys among KINDS; a None or False value is unset)."""
     unknown = sorted(set(spec) - set(KINDS) - set(OPTIONS))
@@ -40,7 +45,7 @@ def only_kind(spec: dict[str, Any]) -> str:
     for option in OPTIONS:
         if not isinstance(spec.get(option, False), bool):
             raise StructuredOutputError(option, f"must be true or false, got {spec[option]!r}")
-    chosen = [kind for kind in KINDS if spec.get(kind) not in (None, False)]
+    chosen = [kind for kind in KINDS if kind in set_fields(spec)]
     if len(chosen) != 1:
         raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}, got "
                          f"{', '.join(chosen) if chosen else 'none'}")

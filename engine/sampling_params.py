@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from core.structured_outputs import only_kind
+from core.structured_outputs import only_kind, set_fields
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -44,7 +44,7 @@ class StructuredOutputsParams:
 
     def as_dict(self) -> dict[str, Any]:
         """The fields that are set, as SamplingParams keeps them."""
-        return {name: value for name, value in asdict(self).items() if value not in (None, False)}
+        return set_fields(asdict(self))
 
 
 @dataclass(slots=True)

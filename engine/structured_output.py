@@ -10,7 +10,7 @@ the rows that carry a grammar; unconstrained steps pay nothing.
 from __future__ import annotations
 
 import functools
-import logging
+import json
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -20,8 +20,6 @@ import llguidance.hf
 import torch
 
 from core.structured_outputs import StructuredOutputError, grammar_of
-
-logger = logging.getLogger(__name__)
 
 COMPILED_GRAMMARS_KEPT = 64
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -89,7 +87,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the logits' width (the model's, which may pad the tokenizer's)
         self._eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built at the first constraint (about a second)
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()  # never advanced: copied from
+        # by constraint (its JSON text); never advanced, only copied from
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -102,22 +101,24 @@ class GrammarCompiler:
     def is_compiled(self, spec: dict[str, Any]) -> bool:
         """Whether the grammar of ``spec`` is kept compiled (``start`` then costs a copy)."""
         with self._lock:
-            return grammar_of(spec)[1] in self._compiled
+            return _key(spec) in self._compiled
 
     def compile(self, spec: dict[str, Any]) -> llguidance.LLMatcher:
         """The compiled start state of the grammar ``spec`` describes (compiled now unless kept); a
-        StructuredOutputError names the field this model cannot use."""
-        kind, grammar = grammar_of(spec)
+        StructuredOutputError names the field this model cannot use. Kept by the spec itself, so that finding a
+        kept grammar (the engine thread, after the worker compiled it) neither converts nor checks it again."""
+        key = _key(spec)
         with self._lock:
-            compiled = self._compiled.get(grammar)
+            compiled = self._compiled.get(key)
             if compiled is not None:
-                self._compiled.move_to_end(grammar)
+                self._compiled.move_to_end(key)
                 return compiled
+        kind, grammar = grammar_of(spec)
         compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)  # outside the lock
         if compiled.is_error():
             raise StructuredOutputError(kind, f"cannot be used with this model: {compiled.get_error().strip()}")
         with self._lock:
-            self._compiled[grammar] = compiled
+            self._compiled[key] = compiled
             if len(self._compiled) > COMPILED_GRAMMARS_KEPT:
                 self._compiled.popitem(last=False)
         return compiled
@@ -125,3 +126,8 @@ class GrammarCompiler:
     def start(self, spec: dict[str, Any]) -> GrammarState:
         """A fresh state of the grammar ``spec`` describes; StructuredOutputError names the field it cannot use."""
         return GrammarState(self.compile(spec).deep_copy())
+
+
+def _key(spec: dict[str, Any]) -> str:
+    """One text per constraint, whatever the order of its fields (and of a schema's keys)."""
+    return json.dumps(spec, sort_keys=True)
