@@ -29,7 +29,7 @@ from core.openai_responses import (
     error_object,
     final_choices,
     job_failure,
-    streams_tool_calls,
+    streamed_content_filter,
     tool_call_deltas,
     total_usage,
     usage,
@@ -107,7 +107,10 @@ class _JobRelay:
         self.text_offsets: dict[int, int] = {}  # per choice: the text length its streamed tokens' logprobs cover
         self.completion_tokens = 0
         self.ok = True  # False once the job's stream ended with an error chunk
-        self.holds_text = endpoint == CHAT_COMPLETIONS and streams_tool_calls(job)  # sent as tool calls at the end
+        # a chat output that may become tool calls streams only what is surely content; the rest comes at the end
+        self.content_filter = streamed_content_filter(job) if endpoint == CHAT_COMPLETIONS else None
+        self.texts: dict[int, str] = {}  # per choice, with a content filter: its text so far
+        self.sent: dict[int, int] = {}  # and how much of it was sent
 
     def _chunk(self, choices: list[dict[str, Any]]) -> str:
         payload = chunk(self.response, self.model, self.endpoint, choices)
@@ -129,6 +132,16 @@ class _JobRelay:
             if "tokens" in logprobs:  # a completion's: the next chunk's text_offset starts past these tokens
                 self.text_offsets[delta["index"]] = offset + sum(len(token) for token in logprobs["tokens"])
         return choice
+
+    def _content_delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """The token delta with only the text the content filter lets through now (all of it without one)."""
+        if self.content_filter is None:
+            return delta
+        index = delta["index"]
+        text = self.texts[index] = self.texts.get(index, "") + delta["text"]
+        sent = self.sent.get(index, 0)
+        self.sent[index] = max(sent, self.content_filter(text))
+        return {**delta, "text": text[sent:self.sent[index]]}
 
     def _echo_chunk(self, prompt: str, scores: dict[str, Any] | None) -> str:
         """The chunk that echoes the prompt into every choice, with its tokens' logprobs when `scores` holds them
@@ -161,9 +174,10 @@ class _JobRelay:
                         yield self._echo_chunk(prompt, event.delta)
                         scored_echo = False
                     self.completion_tokens += len(event.delta["token_ids"])
-                    if self.holds_text or (not event.delta["text"] and not event.delta.get("logprobs")):
+                    delta = self._content_delta(event.delta)
+                    if not delta["text"] and not delta.get("logprobs"):
                         continue  # held for tool calls, or a token that ends mid-character adds no text yet
-                    yield self._chunk([self._token_choice(event.delta)])
+                    yield self._chunk([self._token_choice(delta)])
                 elif isinstance(event, RestartEvent):
                     # streamed text cannot be taken back: end this stream, the job itself runs on
                     yield self._error(503, f"job {self.job.id} restarted after a worker failure; "
@@ -179,8 +193,8 @@ class _JobRelay:
                     if scored_echo:  # no token event carried the scores (Redis lost them): the job keeps them
                         first = (event.job.output or [{}])[0]
                         yield self._echo_chunk(prompt, first if "prompt_logprobs" in first else None)
-                    if self.holds_text:
-                        yield self._chunk(tool_call_deltas(event.job, self.prompt_index))
+                    if self.content_filter is not None:
+                        yield self._chunk(tool_call_deltas(event.job, self.prompt_index, self.sent))
                     yield self._chunk(final_choices(event.job, self.endpoint, self.prompt_index))
 
 

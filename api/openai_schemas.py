@@ -11,7 +11,8 @@ from api.errors import ApiError
 from api.prompts import prompt_model
 from api.schemas import JobCreate, MetadataValue, NulFreeStr, StructuredOutputsIn, sampling_bounds
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
-from core.tool_calls import NAMED_PREFIX, REQUIRED, call_schema
+from core.settings import get_settings
+from core.tool_calls import AUTO_PREFIX, NAMED_PREFIX, REQUIRED, call_schema
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
 _OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -134,6 +135,7 @@ class OpenAIRequest(OpenAIBody):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     # constrained output: OpenAI's response_format, vLLM's structured_outputs, or one of its guided_* fields
@@ -148,15 +150,19 @@ class OpenAIRequest(OpenAIBody):
              **prompt: Any) -> JobCreate:
         if self.model is not None:
             check_served_model(self.model)
-        sampling = self.model_dump(include={
-            "n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-            "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-        })
+        sampling = self._sampling()
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user, **self._metadata()}
         return JobCreate(**sampling, **prompt, stop=stop, max_tokens=max_tokens, logprobs=logprobs,
                          prompt_logprobs=prompt_logprobs, structured_outputs=self._structured_outputs(),
                          metadata=metadata)
+
+    def _sampling(self) -> dict[str, Any]:
+        """The sampling fields the job takes as they are."""
+        return self.model_dump(include={
+            "n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+            "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "stop_token_ids",
+        })
 
     def _constraint_sources(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
         """Each field of this request that constrains the output: the structured outputs it asks for, and the
@@ -328,7 +334,7 @@ class FunctionDef(OpenAIBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; forced calls always follow the schema, "auto" ones are not parsed
+    strict: bool | None = None  # accepted; forced calls always follow the schema, "auto" ones are not constrained
 
 
 class ToolDef(OpenAIBody):
@@ -390,9 +396,14 @@ class ChatCompletionRequest(OpenAIRequest):
                 for tool in self.tools]
 
     def _tool_mode(self) -> str | None:
-        """How the output is forced into tool calls: "required", "function:<name>", or None (free text)."""
-        if self.tool_choice is None or self.tool_choice in ("none", "auto"):
-            return None  # "auto" without a tool-call parser: the model's text comes back as content
+        """How the output becomes tool calls (core.tool_calls' modes: forced "required" or "function:<name>", or
+        "auto:<parser>" with the server's tool-call parser), or None: free text, answered as content."""
+        if self.tool_choice is None or self.tool_choice == "auto":  # with tools, no tool_choice means auto
+            settings = get_settings()
+            parses = self.tools and settings.enable_auto_tool_choice and settings.tool_call_parser
+            return AUTO_PREFIX + settings.tool_call_parser if parses else None  # type: ignore[operator]
+        if self.tool_choice == "none":
+            return None
         names = [tool.function.name for tool in self.tools or []]
         if not names:
             raise ApiError(400, "tool_choice other than none/auto needs tools to choose from", "tool_choice")
@@ -404,10 +415,16 @@ class ChatCompletionRequest(OpenAIRequest):
                            "tool_choice.function.name")
         return NAMED_PREFIX + name
 
+    def _sampling(self) -> dict[str, Any]:
+        sampling = super()._sampling()
+        if "skip_special_tokens" not in self.model_fields_set and (self._tool_mode() or "").startswith(AUTO_PREFIX):
+            sampling["skip_special_tokens"] = False  # as vLLM: some models' tool-call markers are special tokens
+        return sampling
+
     def _constraint_sources(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
         sources = super()._constraint_sources()
         mode = self._tool_mode()
-        if mode is not None:
+        if mode is not None and not mode.startswith(AUTO_PREFIX):
             tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
             named = [i for i, tool in enumerate(tools) if NAMED_PREFIX + tool["function"]["name"] == mode]
             # a named function's own schema is named by its place; "required" joins every tool's into one schema

@@ -5,13 +5,14 @@ Torch-free and HTTP-free: the API answers with them, and a worker writes a finis
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from core.job_payload import REFUSED
 from core.models import Job, JobStatus
 from core.prompts import configured_prompt_model
 from core.settings import get_settings
-from core.tool_calls import tool_calls
+from core.tool_calls import streamable_content, tool_calls
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -156,13 +157,19 @@ def completion_body(job: Job, model: str) -> dict[str, Any]:
             "choices": choices, "usage": usage(job)}
 
 
-def _tool_calls(job: Job, choice: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The tool calls of a chat choice whose request forced them (tool_choice "required" or a named function);
-    None without that, or when max_tokens cut the calls off (the text is then answered as content)."""
+def _tool_mode(job: Job) -> str | None:
+    """How the job's chat output becomes tool calls (core.tool_calls' modes), or None."""
     mode = (job.metadata_ or {}).get("openai_tool_choice")
-    if not mode or choice.get("finish_reason") == "length":
+    return str(mode) if mode else None
+
+
+def _tool_calls(job: Job, choice: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """(content, tool calls) of a chat choice whose request asked for tool calls (forced, or "auto" read by a
+    parser); None without them, or when max_tokens cut the output off (the text is then answered as content)."""
+    mode = _tool_mode(job)
+    if mode is None or choice.get("finish_reason") == "length":
         return None
-    return tool_calls(str(mode), choice["text"], f"call_{job.id}_{choice['index']}_")
+    return tool_calls(mode, choice["text"], f"call_{job.id}_{choice['index']}_")
 
 
 def _chat_finish_reason(job: Job, choice: dict[str, Any]) -> str:
@@ -170,14 +177,15 @@ def _chat_finish_reason(job: Job, choice: dict[str, Any]) -> str:
 
 
 def chat_body(job: Job, model: str) -> dict[str, Any]:
-    """The chat.completion object of a succeeded job; forced tool calls come as the message's tool_calls."""
+    """The chat.completion object of a succeeded job; tool calls come as the message's tool_calls."""
     num_top = job.params.get("logprobs")
 
     def message(choice: dict[str, Any]) -> dict[str, Any]:
-        calls = _tool_calls(job, choice)
-        if calls is None:
+        parsed = _tool_calls(job, choice)
+        if parsed is None:
             return {"role": "assistant", "content": choice["text"]}
-        return {"role": "assistant", "content": None, "tool_calls": calls}
+        content, calls = parsed
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     choices = [{
         "index": c["index"], "message": message(c), "finish_reason": _chat_finish_reason(job, c),
@@ -188,19 +196,22 @@ def chat_body(job: Job, model: str) -> dict[str, Any]:
             "choices": choices, "usage": usage(job)}
 
 
-def streams_tool_calls(job: Job) -> bool:
-    """Whether a chat job's stream holds its text back: forced tool calls are sent whole once the job is done."""
-    return bool((job.metadata_ or {}).get("openai_tool_choice"))
+def streamed_content_filter(job: Job) -> Callable[[str], int] | None:
+    """For a chat job whose output may become tool calls: how much of a choice's text so far a stream may send as
+    content (the rest is held, and sent by `tool_call_deltas` once the job is done); None for other jobs."""
+    mode = _tool_mode(job)
+    return None if mode is None else lambda text: streamable_content(mode, text)
 
 
-def tool_call_deltas(job: Job, prompt_index: int = 0) -> list[dict[str, Any]]:
-    """The chunk choices that carry a finished tool-call job's output: its calls, or its text where they were cut
-    off."""
+def tool_call_deltas(job: Job, prompt_index: int, streamed: dict[int, int]) -> list[dict[str, Any]]:
+    """The chunk choices that close a finished tool-call job's stream: its calls, or the text it held where the
+    output holds none; `streamed` tells how many characters of each choice's text were sent as content."""
     deltas = []
     for c in job.output or []:
-        calls = _tool_calls(job, c)
-        delta = {"content": c["text"]} if calls is None else {
-            "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        parsed = _tool_calls(job, c)
+        rest = c["text"][streamed.get(c["index"], 0):]
+        delta = ({"content": rest} if rest else {}) if parsed is None else {
+            "tool_calls": [{"index": i, **call} for i, call in enumerate(parsed[1])]}
         deltas.append({"index": choice_index(job, prompt_index, c["index"]), "delta": delta, "finish_reason": None})
     return deltas
 

@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, Field, field_serializer, field_validator
+from pydantic import ByteSize, Field, field_serializer, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     seed: int = Field(0, ge=0, description="seed of the engine's sampler")
     tokenizer: Path | None = Field(None, description="local tokenizer folder (default: the model's)")
     chat_template: str | None = Field(None, description="chat template file or Jinja text (default: the model's)")
+    enable_auto_tool_choice: bool = Field(
+        False, description="tool_choice auto (a chat request's default when it has tools) reads tool calls out of the "
+        "output with --tool-call-parser (as vLLM; without it, auto answers the text as content)")
+    tool_call_parser: Literal["hermes", "llama3_json", "pythonic"] | None = Field(
+        None, description="the model's tool-call format: hermes (<tool_call> JSON blocks: Hermes, Qwen, SmolLM2), "
+        "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 and 4: [f(x=1)])")
     served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
@@ -94,6 +100,13 @@ class Settings(BaseSettings):
     max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
     batch_priority: int = Field(500, ge=-1000, le=1000, description="priority of Batch API jobs (lower runs "
                                 "earlier; interactive jobs default to 0, so batches yield to them)")
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_has_a_parser(self) -> Settings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (PAGEDSERVE_TOOL_CALL_PARSER): "
+                             "the format to read tool calls in")
+        return self
 
     @field_validator("swap_space", mode="before")
     @classmethod

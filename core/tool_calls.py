@@ -1,8 +1,10 @@
-"""Forced tool calls (OpenAI's tool_choice "required" or a named function), as vLLM makes them: the output is
-constrained to a JSON schema built from the tools, and the finished text becomes the message's tool_calls.
+"""Tool calls as vLLM makes them. Forced (tool_choice "required" or a named function): the output is constrained to
+a JSON schema built from the tools, and the finished text becomes the message's tool_calls. Automatic (tool_choice
+"auto" on a server started with a tool-call parser): the output is free, and the parser finds the calls in it.
 
 Torch-free: the API builds the constraint when the request arrives; the response builders (API, batch output files)
-turn a job's text back into tool calls.
+turn a job's text back into tool calls. A job keeps its mode in its metadata: "required", "function:<name>" or
+"auto:<parser>".
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core.tool_parsers import TOOL_CALL_PARSERS, ParsedCall, ParsedOutput
+
 REQUIRED = "required"
 NAMED_PREFIX = "function:"  # a job's tool-choice mode for a named function: "function:<name>"
+AUTO_PREFIX = "auto:"  # tool_choice "auto" read by a parser: "auto:<parser name>"
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -37,16 +42,32 @@ def call_schema(tools: list[dict[str, Any]], mode: str, parallel: bool) -> dict[
     return schema if parallel else {**schema, "maxItems": 1}
 
 
-def tool_calls(mode: str, text: str, call_id_prefix: str) -> list[dict[str, Any]] | None:
-    """The tool calls a finished output holds under `mode`; None if it is not whole (cut off by max_tokens).
-    Call ids are `call_id_prefix` plus the call's position, so the same job always answers with the same ids."""
+def parsed_output(mode: str, text: str) -> ParsedOutput | None:
+    """The tool calls a finished output holds under `mode`, with any content beside them; None if it holds none
+    (forced calls cut off by max_tokens, or free text)."""
+    if mode.startswith(AUTO_PREFIX):
+        return TOOL_CALL_PARSERS[mode.removeprefix(AUTO_PREFIX)].parse(text)
     if mode.startswith(NAMED_PREFIX):
-        calls = [(mode.removeprefix(NAMED_PREFIX), text)]
-    else:
-        try:
-            parsed = json.loads(text)
-            calls = [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in parsed]
-        except (ValueError, TypeError, KeyError):
-            return None
-    return [{"id": f"{call_id_prefix}{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
-            for i, (name, arguments) in enumerate(calls)]
+        return ParsedOutput(None, [ParsedCall(mode.removeprefix(NAMED_PREFIX), text)])
+    try:
+        return ParsedOutput(None, [ParsedCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+                                   for call in json.loads(text)])
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def streamable_content(mode: str, text: str) -> int:
+    """How much of a partial output a stream may send as content now: none of a forced call's, a parser's content
+    until a tool call may begin."""
+    return TOOL_CALL_PARSERS[mode.removeprefix(AUTO_PREFIX)].content_end(text) if mode.startswith(AUTO_PREFIX) else 0
+
+
+def tool_calls(mode: str, text: str, call_id_prefix: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """(content, tool calls) of a finished output under `mode`; None if it holds no calls. Call ids are
+    `call_id_prefix` plus the call's position, so the same job always answers with the same ids."""
+    parsed = parsed_output(mode, text)
+    if parsed is None:
+        return None
+    return parsed.content, [{"id": f"{call_id_prefix}{i}", "type": "function",
+                             "function": {"name": call.name, "arguments": call.arguments}}
+                            for i, call in enumerate(parsed.calls)]

@@ -16,16 +16,19 @@ def start_offsets(seq: Sequence) -> None:
     seq.prefix_offset = max(seq.prompt_len - _CONTEXT_TOKENS, 0)
 
 
-def decode_new_text(tokenizer: Any, seq: Sequence, final: bool = False) -> str:
+def decode_new_text(tokenizer: Any, seq: Sequence, final: bool = False, skip_special_tokens: bool = True,
+                    drop_last: bool = False) -> str:
     """Append and return the text the latest tokens add (held back while a character is
-    incomplete, unless ``final``)."""
-    prefix = tokenizer.decode(seq.token_ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(seq.token_ids[seq.prefix_offset :], skip_special_tokens=True)
+    incomplete, unless ``final``); ``drop_last`` leaves out the last token, a stop token, as vLLM does."""
+    end = len(seq.token_ids) - 1 if drop_last else len(seq.token_ids)
+    prefix = tokenizer.decode(seq.token_ids[seq.prefix_offset : seq.read_offset],
+                              skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(seq.token_ids[seq.prefix_offset : end], skip_special_tokens=skip_special_tokens)
     if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
         return ""
     delta = full[len(prefix) :]
     seq.prefix_offset = seq.read_offset
-    seq.read_offset = len(seq.token_ids)
+    seq.read_offset = end
     seq.text += delta
     return delta
 

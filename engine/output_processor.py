@@ -27,15 +27,17 @@ class OutputProcessor:
             return None
         if reason == "stop_string":  # its text was cut where the stop string starts
             return "stop"
-        decode_new_text(self.tokenizer, seq, final=True)
-        return reason
+        # a stop token (EOS, stop_token_ids) ends the text without adding its own, as in vLLM
+        decode_new_text(self.tokenizer, seq, final=True, skip_special_tokens=group.params.skip_special_tokens,
+                        drop_last=reason == "stop_token")
+        return "stop" if reason == "stop_token" else reason
 
     def _stop_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
         params = group.params
         may_stop = seq.num_output_tokens >= params.min_tokens
         if may_stop and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
-            return "stop"
-        delta = decode_new_text(self.tokenizer, seq)
+            return "stop_token"
+        delta = decode_new_text(self.tokenizer, seq, skip_special_tokens=params.skip_special_tokens)
         if may_stop and params.stop and delta:
             index = find_stop_string(seq.text, len(delta), params.stop)
             if index is not None:
@@ -54,9 +56,11 @@ class OutputProcessor:
         return [self._output(group) for group in unique.values()]
 
     def _beam_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
+        skip = group.params.skip_special_tokens
         return [
-            CompletionOutput(
-                index=i, text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True), token_ids=h.token_ids,
+            CompletionOutput(  # a hypothesis that stopped ends in its EOS token, whose text is left out
+                index=i, text=self.tokenizer.decode(h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids,
+                                                    skip_special_tokens=skip), token_ids=h.token_ids,
                 finish_reason=h.finish_reason, cumulative_logprob=h.cumulative_logprob,
             )
             for i, h in enumerate(best_hypotheses(group))

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.detokenizer import decode_new_text, start_offsets
+from engine.sequence import Sequence
 from tests.engine.hf_reference import hf_greedy, hf_logprobs
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
@@ -36,13 +38,28 @@ def test_stop_string_ends_text_before_the_stop(llm: LLM) -> None:
     assert len(out.token_ids) < len(full.token_ids)
 
 
-def test_stop_token_id_ends_generation_including_it(llm: LLM) -> None:
+def test_stop_token_id_ends_generation_including_it_in_the_ids_not_the_text(llm: LLM) -> None:
     full = greedy(llm)
     stop_token = full.token_ids[5]
     first = full.token_ids.index(stop_token)
     out = greedy(llm, stop_token_ids=[stop_token])
     assert out.finish_reason == "stop"
     assert out.token_ids == full.token_ids[: first + 1]
+    # as vLLM: the stop token's own text is left out (here an ordinary token, whose text would show)
+    assert out.text == llm.tokenizer.decode(full.token_ids[:first])
+    assert out.text != llm.tokenizer.decode(full.token_ids[: first + 1])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_decides_whether_special_tokens_show_in_the_text(llm: LLM, skip: bool) -> None:
+    special = llm.tokenizer.encode("<|im_start|>")
+    assert len(special) == 1
+    words = llm.tokenizer.encode(" tool call")
+    prompt = llm.tokenizer.encode("Hi")
+    seq = Sequence(token_ids=prompt + special + words, prompt_len=len(prompt))
+    start_offsets(seq)
+    text = decode_new_text(llm.tokenizer, seq, final=True, skip_special_tokens=skip)
+    assert text == (" tool call" if skip else "<|im_start|> tool call")
 
 
 def test_min_tokens_suppresses_stops_until_reached(llm: LLM) -> None:

@@ -1,23 +1,28 @@
-"""Forced tool calls on /v1/chat/completions (tool_choice "required" or a named function, as vLLM makes them): the
-constraint each builds, the 400s naming what is wrong, the tools reaching the chat template, and a finished job's
-text answered as tool calls. The model runs in tests/service/e2e/test_e2e_openai.py."""
+"""Tool calls on /v1/chat/completions as vLLM makes them: forced (tool_choice "required" or a named function: the
+constraint each builds) and automatic (tool_choice "auto" read by the server's tool-call parser); the 400s naming what
+is wrong, the tools reaching the chat template, and a finished job's text answered as tool calls. The model runs in
+tests/service/e2e/test_e2e_openai.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, get_args
 
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from api.openai_schemas import ChatCompletionRequest
 from api.prompts import prompt_model
 from core.models import Job, JobStatus
 from core.openai_responses import chat_body, final_choices, tool_call_deltas
-from core.tool_calls import NAMED_PREFIX, REQUIRED, call_schema, tool_calls
+from core.settings import Settings, configure
+from core.tool_calls import AUTO_PREFIX, NAMED_PREFIX, REQUIRED, call_schema, tool_calls
+from core.tool_parsers import TOOL_CALL_PARSERS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -124,14 +129,71 @@ def test_a_finished_job_answers_with_its_tool_calls_and_a_cut_off_one_with_its_t
     assert len({c["id"] for c in first["message"]["tool_calls"]}) == 2
     assert cut["finish_reason"] == "length" and cut["message"] == {"role": "assistant", "content": '[{"name": "get_wea'}
     assert chat_body(job, "m") == chat_body(job, "m")  # the same ids every time the job is read
-    deltas = tool_call_deltas(job)
+    deltas = tool_call_deltas(job, 0, {})
     assert deltas[0]["delta"]["tool_calls"][1]["function"]["name"] == "get_time"
     assert deltas[1]["delta"] == {"content": '[{"name": "get_wea'}
     assert [c["finish_reason"] for c in final_choices(job, "/v1/chat/completions")] == ["tool_calls", "length"]
 
 
 def test_a_named_call_takes_the_whole_text_as_its_arguments() -> None:
-    (call,) = tool_calls(NAMED_PREFIX + "get_weather", '{"city": "Rome"}', "call_x_")  # type: ignore[misc]
+    content, (call,) = tool_calls(NAMED_PREFIX + "get_weather", '{"city": "Rome"}', "call_x_")  # type: ignore[misc]
+    assert content is None
     assert call == {"id": "call_x_0", "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
     assert call_schema([WEATHER], NAMED_PREFIX + "get_weather", True) == WEATHER["function"]["parameters"]
+
+
+@pytest.fixture
+def auto_tool_choice(service_settings: Settings) -> Iterator[None]:
+    """The server started with --enable-auto-tool-choice --tool-call-parser hermes."""
+    configure(service_settings.model_copy(update={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}))
+    yield
+    configure(service_settings)
+
+
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_with_a_parser_leaves_the_output_free_and_keeps_special_tokens(auto_tool_choice: None,
+                                                                           choice: str | None) -> None:
+    job = _request(tools=[WEATHER], tool_choice=choice).to_job()
+    assert job.metadata is not None and job.metadata["openai_tool_choice"] == AUTO_PREFIX + "hermes"
+    params = job.sampling_params()
+    assert params["structured_outputs"] is None and params["skip_special_tokens"] is False
+    # what the client asks for stands; without tools, or with "none", there is nothing to parse
+    assert _request(tools=[WEATHER], skip_special_tokens=True).to_job().sampling_params()["skip_special_tokens"]
+    for request in (_request(), _request(tools=[WEATHER], tool_choice="none")):
+        job = request.to_job()
+        assert "openai_tool_choice" not in (job.metadata or {}) and job.sampling_params()["skip_special_tokens"]
+
+
+def test_forced_tool_choice_stays_forced_with_a_parser(auto_tool_choice: None) -> None:
+    job = _request(tools=[WEATHER], tool_choice="required").to_job()
+    assert job.metadata is not None and job.metadata["openai_tool_choice"] == REQUIRED
+    assert job.sampling_params()["structured_outputs"] is not None
+
+
+def test_auto_takes_a_constraint_of_its_own(auto_tool_choice: None) -> None:
+    job = _request(tools=[WEATHER], response_format={"type": "json_object"}).to_job()
+    assert job.sampling_params()["structured_outputs"] == {"json_object": True}
+
+
+def test_auto_tool_choice_needs_a_parser() -> None:
+    with pytest.raises(ValidationError, match="--tool-call-parser"):
+        Settings(enable_auto_tool_choice=True)
+    assert set(get_args(get_args(Settings.model_fields["tool_call_parser"].annotation)[0])) == set(TOOL_CALL_PARSERS)
+
+
+HERMES_TEXT = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_a_finished_auto_job_answers_with_the_calls_its_parser_reads_and_the_content_before_them() -> None:
+    job = _job(AUTO_PREFIX + "hermes", [(HERMES_TEXT, "stop"), ("Just words.", "stop"), (HERMES_TEXT, "length")])
+    called, plain, cut = chat_body(job, "m")["choices"]
+    assert called["finish_reason"] == "tool_calls" and called["message"]["content"] == "Let me look.\n"
+    (call,) = called["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert plain == {**plain, "finish_reason": "stop", "message": {"role": "assistant", "content": "Just words."}}
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] == HERMES_TEXT
+    # a stream sent the content before the call as it came: the end carries the call, or the text still held
+    deltas = tool_call_deltas(job, 0, {0: len("Let me look.\n"), 1: 4, 2: 0})
+    assert [d["delta"] for d in deltas[1:]] == [{"content": " words."}, {"content": HERMES_TEXT}]
+    assert deltas[0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -11,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from core.settings import Settings, configure
 from tests.engine.hf_reference import hf_logprobs
 from tests.service.procs import wait_until
 
@@ -21,6 +23,15 @@ MAX_TOKENS = 8
 def database_url(sqlite_url: str) -> str:
     """SQLite only: the batch module runs on PostgreSQL, so each store is covered with one service start-up."""
     return sqlite_url
+
+
+@pytest.fixture(scope="module")
+def service_settings(service_settings: Settings) -> Iterator[Settings]:
+    """Served as with `--enable-auto-tool-choice --tool-call-parser hermes`."""
+    settings = service_settings.model_copy(update={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
+    configure(settings)
+    yield settings
+    configure(service_settings)
 
 
 @pytest.fixture(scope="module")
@@ -427,3 +438,30 @@ def test_a_streamed_tool_call_arrives_whole_in_tool_call_deltas(openai_client: o
     (expected,) = whole.choices[0].message.tool_calls or []
     assert (streamed.function.name, streamed.function.arguments) == (expected.function.name,
                                                                      expected.function.arguments)
+
+
+# the choice makes the random model write a hermes tool call (and a plain answer) as a tool-using model would
+HERMES_CALL = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    (HERMES_CALL, "Checking.\n", [("get_weather", {"city": "Paris", "days": 2})]),
+    ("No tool is needed.", "No tool is needed.", []),
+])
+def test_auto_tool_choice_reads_tool_calls_out_of_the_text_streamed_or_not(
+    openai_client: openai.OpenAI, model: str, text: str, content: str, calls: list[tuple[str, dict[str, object]]]
+) -> None:
+    request = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], max_tokens=64, seed=8,
+                   tools=[CITY_TOOL, CLOCK_TOOL], extra_body={"structured_outputs": {"choice": [text]}})
+    finish = "tool_calls" if calls else "stop"
+    (whole,) = openai_client.chat.completions.create(**request).choices
+    assert whole.finish_reason == finish and whole.message.content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls or []] == calls
+    chunks = [choice for c in openai_client.chat.completions.create(**request, stream=True) for choice in c.choices]
+    # the content streams as it comes, the call arrives whole once the output is
+    assert "".join(choice.delta.content or "" for choice in chunks) == content
+    assert len([choice for choice in chunks if choice.delta.content]) > (1 if calls else 2)
+    streamed = [call for choice in chunks for call in choice.delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert chunks[-1].finish_reason == finish

@@ -1,0 +1,182 @@
+"""Tool calls in a model's free text, for tool_choice "auto": the formats of vLLM's --tool-call-parser.
+
+Each parser reads a finished output (`parse`) and tells a stream how much of a partial output is surely content
+(`content_end`), so content streams while a tool call is held back until the output is whole. A text that does not
+parse as the format is content, whole, as in vLLM: a model that meant to call a tool but wrote broken JSON answers
+with its text instead of an error.
+
+Written here rather than taken from vLLM: its parsers need its tokenizer and request classes (and torch).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    """One tool call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    """An output that holds tool calls, and the content beside them (None when there is none)."""
+
+    content: str | None
+    calls: list[ParsedCall]
+
+
+def _call_of(obj: Any) -> ParsedCall | None:
+    """A call from {"name": ..., "arguments" | "parameters": {...}} (arguments may come as JSON text)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return ParsedCall(obj["name"], arguments_text) if (arguments_text := _arguments_text(arguments)) else None
+
+
+def _arguments_text(arguments: Any) -> str | None:
+    """Arguments as strict JSON text (no NaN), or None unless they are an object."""
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):  # NaN, or a Python value JSON has no form for (a set, bytes)
+        return None
+
+
+def _calls_of(objs: list[Any]) -> list[ParsedCall] | None:
+    """Every object as a call, or None if any is not one."""
+    calls = [_call_of(obj) for obj in objs]
+    return None if not calls or any(call is None for call in calls) else calls  # type: ignore[return-value]
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that could begin `marker` (held back until the next tokens say)."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:length]):
+            return length
+    return 0
+
+
+class ToolCallParser(ABC):
+    """One model family's tool-call format."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def parse(self, text: str) -> ParsedOutput | None:
+        """The tool calls a finished output holds; None if it holds none (it is then content, whole)."""
+
+    @abstractmethod
+    def content_end(self, text: str) -> int:
+        """How many leading characters of a partial output are content whatever follows; grows with the text."""
+
+
+class HermesParser(ToolCallParser):
+    """Hermes, Qwen 2.5/3 and SmolLM2: content, then one JSON call per <tool_call>...</tool_call> block (a block
+    holding a list of calls, as SmolLM2 writes them, counts as those calls). An unclosed last block is read to the
+    end of the output, as when the model stopped on its end-of-turn token."""
+
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedOutput | None:
+        start = text.find(self.START)
+        if start < 0:
+            return None
+        objs: list[Any] = []
+        try:
+            for block in self._BLOCK.findall(text, start):
+                obj = json.loads(block)
+                objs.extend(obj if isinstance(obj, list) else [obj])
+        except ValueError:
+            return None
+        calls = _calls_of(objs)
+        return None if calls is None else ParsedOutput(text[:start] or None, calls)
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.START)
+        return start if start >= 0 else len(text) - _held_prefix(text, self.START)
+
+
+class Llama3JsonParser(ToolCallParser):
+    """Llama 3.1-3.3's JSON tool calls: the output is `{"name": ..., "parameters": {...}}` (after an optional
+    <|python_tag|>), several separated by ";"; an output that starts otherwise is content."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedOutput | None:
+        body = text.strip().removeprefix(self.TAG).lstrip()
+        if not body.startswith("{"):
+            return None
+        decoder, objs, at = json.JSONDecoder(), [], 0
+        try:
+            while at < len(body):
+                obj, at = decoder.raw_decode(body, at)
+                objs.append(obj)
+                at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        except ValueError:
+            return None
+        calls = _calls_of(objs)
+        return None if calls is None else ParsedOutput(None, calls)
+
+    def content_end(self, text: str) -> int:
+        head = text.lstrip()
+        return 0 if head.startswith(("{", self.TAG)) or self.TAG.startswith(head) else len(text)
+
+
+class PythonicParser(ToolCallParser):
+    """Llama 3.2 and 4's Python-style calls: the output is a list of calls with keyword arguments,
+    `[get_weather(city="Paris"), get_time()]` (inside <|python_start|>...<|python_end|> for Llama 4)."""
+
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str) -> ParsedOutput | None:
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        if not body.startswith("["):
+            return None
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError):
+            return None
+        return ParsedOutput(None, calls)
+
+    @staticmethod
+    def _call(node: ast.expr) -> ParsedCall:
+        """A call node with literal keyword arguments; ValueError for anything else (names, positional args)."""
+        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+            raise ValueError("not a call with keyword arguments")
+        name = ast.unparse(node.func)  # a dotted name too (function names may hold dots)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ValueError(f"not a function name: {name}")
+        arguments = _arguments_text({k.arg: ast.literal_eval(k.value) for k in node.keywords})
+        if arguments is None:
+            raise ValueError("arguments JSON cannot hold")
+        return ParsedCall(name, arguments)
+
+    def content_end(self, text: str) -> int:
+        head = text.lstrip()
+        return 0 if head.startswith(("[", self.START)) or self.START.startswith(head) else len(text)
+
+
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
+    parser.name: parser for parser in (HermesParser(), Llama3JsonParser(), PythonicParser())}
