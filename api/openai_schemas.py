@@ -136,6 +136,7 @@ class OpenAIRequest(OpenAIBody):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     # constrained output: OpenAI's response_format, vLLM's structured_outputs, or one of its guided_* fields
@@ -161,7 +162,8 @@ class OpenAIRequest(OpenAIBody):
         """The sampling fields the job takes as they are."""
         return self.model_dump(include={
             "n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-            "repetition_penalty", "ignore_eos", "skip_special_tokens", "min_tokens", "stop_token_ids",
+            "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "min_tokens",
+            "stop_token_ids",
         })
 
     def _constraint_sources(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:

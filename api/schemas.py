@@ -108,6 +108,7 @@ class SamplingParamsIn(BaseModel):
     stop_token_ids: list[int] | None = _sampling_field("stop_token_ids")
     ignore_eos: bool = _sampling_field("ignore_eos")
     skip_special_tokens: bool = _sampling_field("skip_special_tokens")
+    include_stop_str_in_output: bool = _sampling_field("include_stop_str_in_output")
     min_tokens: int = _sampling_field("min_tokens")
     logprobs: int | None = _sampling_field("logprobs")
     prompt_logprobs: int | None = _sampling_field("prompt_logprobs")

@@ -60,6 +60,8 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
     SamplingField("ignore_eos", False, Bounds(), Bounds()),
     SamplingField("skip_special_tokens", True, Bounds(), Bounds(),
                   description="false: special tokens' text (tool-call markers of some models) stays in the output"),
+    SamplingField("include_stop_str_in_output", False, Bounds(), Bounds(),
+                  description="the stop string (or stop token's text) that ended the output stays at its end"),
     SamplingField("min_tokens", 0, Bounds(0, _TOKENS_MAX), Bounds(0)),  # both also cap it at max_tokens
     SamplingField("logprobs", None, Bounds(0, 20), Bounds(0, 20)),
     SamplingField("prompt_logprobs", None, Bounds(0, 20), Bounds(0, 20),

@@ -33,12 +33,12 @@ def decode_new_text(tokenizer: Any, seq: Sequence, final: bool = False, skip_spe
     return delta
 
 
-def find_stop_string(text: str, delta_len: int, stop: list[str]) -> int | None:
-    """Index in ``text`` where the earliest stop string that the latest delta completed starts."""
-    best: int | None = None
+def find_stop_string(text: str, delta_len: int, stop: list[str]) -> tuple[int, int] | None:
+    """Where in ``text`` the earliest stop string that the latest delta completed starts and ends."""
+    best: tuple[int, int] | None = None
     for s in stop:
         search_from = max(0, len(text) - delta_len - len(s) + 1)
         index = text.find(s, search_from)
-        if index != -1 and (best is None or index < best):
-            best = index
+        if index != -1 and (best is None or index < best[0]):
+            best = index, index + len(s)
     return best

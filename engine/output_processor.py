@@ -7,6 +7,7 @@ from typing import Any
 from engine.beam_search import best_hypotheses
 from engine.detokenizer import decode_new_text, find_stop_string
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup
 
 
@@ -25,11 +26,12 @@ class OutputProcessor:
         reason = self._stop_reason(group, seq, token)
         if reason is None:
             return None
-        if reason == "stop_string":  # its text was cut where the stop string starts
+        if reason == "stop_string":  # its text was cut where the stop string starts (or ends, when kept)
             return "stop"
-        # a stop token (EOS, stop_token_ids) ends the text without adding its own, as in vLLM
-        decode_new_text(self.tokenizer, seq, final=True, skip_special_tokens=group.params.skip_special_tokens,
-                        drop_last=reason == "stop_token")
+        # a stop token (EOS, stop_token_ids) ends the text without adding its own unless asked, as in vLLM
+        params = group.params
+        decode_new_text(self.tokenizer, seq, final=True, skip_special_tokens=params.skip_special_tokens,
+                        drop_last=reason == "stop_token" and not params.include_stop_str_in_output)
         return "stop" if reason == "stop_token" else reason
 
     def _stop_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
@@ -39,9 +41,9 @@ class OutputProcessor:
             return "stop_token"
         delta = decode_new_text(self.tokenizer, seq, skip_special_tokens=params.skip_special_tokens)
         if may_stop and params.stop and delta:
-            index = find_stop_string(seq.text, len(delta), params.stop)
-            if index is not None:
-                seq.text = seq.text[:index]
+            found = find_stop_string(seq.text, len(delta), params.stop)
+            if found is not None:
+                seq.text = seq.text[: found[1] if params.include_stop_str_in_output else found[0]]
                 return "stop_string"
         if seq.grammar is not None and seq.grammar.is_complete:  # its structured output is whole: nothing may follow
             return "stop"
@@ -66,11 +68,21 @@ class OutputProcessor:
             for i, h in enumerate(best_hypotheses(group))
         ]
 
+    @staticmethod
+    def _reported_text(seq: Sequence, params: SamplingParams) -> str:
+        """A sequence's text as reported so far. While it runs, the last characters that could begin a stop string
+        are held back (vLLM's stop buffer): a stop string found next cuts the text where it starts, and a stream
+        must never have sent what the final text leaves out."""
+        if seq.is_finished or not params.stop or params.include_stop_str_in_output:
+            return seq.text
+        return seq.text[: max(0, len(seq.text) - max(map(len, params.stop)) + 1)]
+
     def _sample_outputs(self, group: SequenceGroup) -> list[CompletionOutput]:
         want_logprobs = group.params.logprobs is not None
         return [
             CompletionOutput(
-                index=i, text=seq.text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                index=i, text=self._reported_text(seq, group.params), token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if want_logprobs else None, cumulative_logprob=seq.cumulative_logprob,
             )
             for i, seq in enumerate(group.seqs)

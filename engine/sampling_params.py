@@ -62,6 +62,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output (vLLM's field)
+    include_stop_str_in_output: bool = False  # True: the stop string or stop token's text ends the text (vLLM's)
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the prompt's tokens' logprobs too (and this many alternatives), as vLLM's
@@ -138,7 +139,7 @@ class SamplingParams:
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
         )
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

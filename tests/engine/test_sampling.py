@@ -50,6 +50,34 @@ def test_stop_token_id_ends_generation_including_it_in_the_ids_not_the_text(llm:
     assert out.text != llm.tokenizer.decode(full.token_ids[: first + 1])
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_or_token_text(llm: LLM) -> None:
+    full = greedy(llm)
+    stop = full.text[10:14]
+    out = greedy(llm, stop=[stop], include_stop_str_in_output=True)
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop) + len(stop)]
+    stop_token = full.token_ids[5]
+    first = full.token_ids.index(stop_token)
+    out = greedy(llm, stop_token_ids=[stop_token], include_stop_str_in_output=True)
+    assert out.text == llm.tokenizer.decode(full.token_ids[: first + 1])
+
+
+def test_text_reported_while_running_never_holds_what_a_stop_string_cuts(llm: LLM) -> None:
+    full = greedy(llm)
+    # a stop string across a token boundary: its first characters end one step's text, the step after cuts them
+    ends = [len(llm.tokenizer.decode(full.token_ids[:k])) for k in range(1, len(full.token_ids))]
+    end = next(e for e, after in zip(ends, ends[1:]) if after - e >= 2 and e > len(full.text) // 2)
+    stop = full.text[end - 2 : end + 2]
+    engine = llm.engine
+    engine.add_request("stop-buffer", PROMPT, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24,
+                                                             stop=[stop]))
+    reported = []
+    while engine.has_unfinished_requests():
+        reported += [out.outputs[0].text for out in engine.step() if out.request_id == "stop-buffer"]
+    final = reported[-1]
+    assert final == full.text[: full.text.index(stop)] and len(reported) > 2
+    assert all(final.startswith(text) for text in reported)
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_decides_whether_special_tokens_show_in_the_text(llm: LLM, skip: bool) -> None:
     special = llm.tokenizer.encode("<|im_start|>")
