@@ -46,10 +46,12 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
         raise ApiError(422, str(exc), exc.field) from exc
     except ValueError as exc:
         raise ApiError(422, str(exc), field_prefix + field) from exc
-    try:
-        model.check_token_ids(body.stop_token_ids or [], field_prefix + "stop_token_ids")
-    except TokenIdError as exc:
-        raise ApiError(422, str(exc), field_prefix + "stop_token_ids") from exc
+    for name, token_ids in (("stop_token_ids", body.stop_token_ids), ("logit_bias", list(body.logit_bias or {})),
+                            ("allowed_token_ids", body.allowed_token_ids)):
+        try:
+            model.check_token_ids(token_ids or [], field_prefix + name)
+        except TokenIdError as exc:
+            raise ApiError(422, str(exc), field_prefix + name) from exc
     if body.webhook_url:
         try:
             check_webhook_url(body.webhook_url, get_settings().webhook_allow_private)

@@ -193,8 +193,9 @@ class _JobRelay:
                     if scored_echo:  # no token event carried the scores (Redis lost them): the job keeps them
                         first = (event.job.output or [{}])[0]
                         yield self._echo_chunk(prompt, first if "prompt_logprobs" in first else None)
-                    if self.content_filter is not None:
-                        yield self._chunk(tool_call_deltas(event.job, self.prompt_index, self.sent))
+                    if self.content_filter is not None and (held := tool_call_deltas(event.job, self.prompt_index,
+                                                                                      self.sent)):
+                        yield self._chunk(held)
                     yield self._chunk(final_choices(event.job, self.endpoint, self.prompt_index))
 
 

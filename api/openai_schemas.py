@@ -13,6 +13,7 @@ from api.schemas import JobCreate, MetadataValue, NulFreeStr, StructuredOutputsI
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
 from core.settings import get_settings
 from core.tool_calls import AUTO_PREFIX, NAMED_PREFIX, REQUIRED, call_schema
+from core.tool_parsers import TOOL_CALL_PARSERS
 
 # Unknown fields (vLLM's extras, newer OpenAI ones) are kept aside and ignored with a warning, as vLLM does.
 _OPENAI = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -139,6 +140,8 @@ class OpenAIRequest(OpenAIBody):
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias, clamped to [-100, 100] as vLLM does
+    allowed_token_ids: list[int] | None = None
     # constrained output: OpenAI's response_format, vLLM's structured_outputs, or one of its guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -163,8 +166,13 @@ class OpenAIRequest(OpenAIBody):
         return self.model_dump(include={
             "n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "min_tokens",
-            "stop_token_ids",
-        })
+            "stop_token_ids", "allowed_token_ids",
+        }) | self._logit_bias()
+
+    def _logit_bias(self) -> dict[str, Any]:
+        if self.logit_bias is None:
+            return {}
+        return {"logit_bias": {token: min(100.0, max(-100.0, bias)) for token, bias in self.logit_bias.items()}}
 
     def _constraint_sources(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:
         """Each field of this request that constrains the output: the structured outputs it asks for, and the
@@ -419,8 +427,10 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def _sampling(self) -> dict[str, Any]:
         sampling = super()._sampling()
-        if "skip_special_tokens" not in self.model_fields_set and (self._tool_mode() or "").startswith(AUTO_PREFIX):
-            sampling["skip_special_tokens"] = False  # as vLLM: some models' tool-call markers are special tokens
+        mode = self._tool_mode() or ""
+        if ("skip_special_tokens" not in self.model_fields_set and mode.startswith(AUTO_PREFIX)
+                and TOOL_CALL_PARSERS[mode.removeprefix(AUTO_PREFIX)].keeps_special_tokens):
+            sampling["skip_special_tokens"] = False  # as vLLM's hermes: some models' markers are special tokens
         return sampling
 
     def _constraint_sources(self) -> dict[str, tuple[dict[str, Any], dict[str, str]]]:

@@ -117,6 +117,9 @@ class SamplingParamsIn(BaseModel):
     frequency_penalty: float = _sampling_field("frequency_penalty")
     beam_width: int = _sampling_field("beam_width")
     length_penalty: float = _sampling_field("length_penalty")
+    logit_bias: dict[Annotated[int, Field(strict=False, ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None = (
+        _sampling_field("logit_bias"))  # keys come as JSON's text: "50256"
+    allowed_token_ids: list[int] | None = _sampling_field("allowed_token_ids")
     structured_outputs: StructuredOutputsIn | None = _sampling_field("structured_outputs")
 
     @field_validator("top_k")
@@ -133,11 +136,13 @@ class SamplingParamsIn(BaseModel):
             raise ValueError("each stop string must be 1 to 256 characters long")
         return value
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+    def _token_ids(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if value and any(i < 0 for i in value):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+            raise ValueError(f"{info.field_name} must be non-negative token ids")
+        if value is not None and not value and info.field_name == "allowed_token_ids":
+            raise ValueError("allowed_token_ids must name at least one token (omit it to allow all)")
         return value
 
     @model_validator(mode="after")
@@ -146,8 +151,9 @@ class SamplingParamsIn(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.beam_width > 1 and self.n != 1:
             raise ValueError(f"n must be 1 with beam search (beam_width best beams are returned), got {self.n}")
-        if self.beam_width > 1 and self.structured_outputs is not None:
-            raise ValueError("structured_outputs cannot be combined with beam search (beam_width > 1)")
+        for name in ("structured_outputs", "logit_bias", "allowed_token_ids"):
+            if self.beam_width > 1 and getattr(self, name) is not None:
+                raise ValueError(f"{name} cannot be combined with beam search (beam_width > 1)")
         return self
 
 

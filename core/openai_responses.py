@@ -204,15 +204,19 @@ def streamed_content_filter(job: Job) -> Callable[[str], int] | None:
 
 
 def tool_call_deltas(job: Job, prompt_index: int, streamed: dict[int, int]) -> list[dict[str, Any]]:
-    """The chunk choices that close a finished tool-call job's stream: its calls, or the text it held where the
-    output holds none; `streamed` tells how many characters of each choice's text were sent as content."""
+    """The chunk choices that close a finished tool-call job's stream: the content not yet sent (all the text held,
+    where the output holds no calls) and the calls; `streamed` tells how many characters of each choice's text were
+    sent as content (fewer than the content when token events were lost)."""
     deltas = []
     for c in job.output or []:
         parsed = _tool_calls(job, c)
-        rest = c["text"][streamed.get(c["index"], 0):]
-        delta = ({"content": rest} if rest else {}) if parsed is None else {
-            "tool_calls": [{"index": i, **call} for i, call in enumerate(parsed[1])]}
-        deltas.append({"index": choice_index(job, prompt_index, c["index"]), "delta": delta, "finish_reason": None})
+        rest = (c["text"] if parsed is None else parsed[0] or "")[streamed.get(c["index"], 0):]
+        delta: dict[str, Any] = {"content": rest} if rest else {}
+        if parsed is not None:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(parsed[1])]
+        if delta:
+            deltas.append({"index": choice_index(job, prompt_index, c["index"]), "delta": delta,
+                           "finish_reason": None})
     return deltas
 
 

@@ -74,6 +74,11 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
                   description="beam search with this many beams when > 1"),
     SamplingField("length_penalty", 1.0, Bounds(-10.0, 10.0), Bounds(-10.0, 10.0),
                   description="beam score = logprob / length**penalty"),
+    # the service takes biases in [-100, 100] (OpenAI's range; its OpenAI routes clamp to it, as vLLM's)
+    SamplingField("logit_bias", None, Bounds(), Bounds(), max_items=1024,
+                  description="token id -> bias in [-100, 100] added to its logit before sampling"),
+    SamplingField("allowed_token_ids", None, Bounds(0), Bounds(0), max_items=16_384,
+                  description="only these token ids may be sampled"),
     SamplingField("structured_outputs", None, Bounds(), Bounds(),
                   description="the output follows a JSON schema, regex, choice or grammar"),
 )}

@@ -34,27 +34,33 @@ class ParsedOutput:
     calls: list[ParsedCall]
 
 
+# what a function offered in `tools` may be called (the API's FunctionDef); a call naming anything else is not one
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
 def _call_of(obj: Any) -> ParsedCall | None:
     """A call from {"name": ..., "arguments" | "parameters": {...}} (arguments may come as JSON text)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _FUNCTION_NAME.fullmatch(obj["name"]):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except Exception:  # not JSON, or nested past the recursion limit
             return None
     return ParsedCall(obj["name"], arguments_text) if (arguments_text := _arguments_text(arguments)) else None
 
 
 def _arguments_text(arguments: Any) -> str | None:
-    """Arguments as strict JSON text (no NaN), or None unless they are an object."""
+    """Arguments as strict JSON text (no NaN) that UTF-8 can carry, or None unless they are an object."""
     if not isinstance(arguments, dict):
         return None
     try:
-        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError):  # NaN, or a Python value JSON has no form for (a set, bytes)
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode()  # a lone surrogate ("\ud800" in the model's JSON) cannot be sent
+    except Exception:  # NaN, a value JSON has no form for (a set, bytes), a surrogate, nesting past the recursion limit
         return None
+    return text
 
 
 def _calls_of(objs: list[Any]) -> list[ParsedCall] | None:
@@ -75,6 +81,8 @@ class ToolCallParser(ABC):
     """One model family's tool-call format."""
 
     name: ClassVar[str]
+    # the model's markers are special tokens in some models: its requests keep special tokens' text (as vLLM's)
+    keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
     def parse(self, text: str) -> ParsedOutput | None:
@@ -91,6 +99,7 @@ class HermesParser(ToolCallParser):
     end of the output, as when the model stopped on its end-of-turn token."""
 
     name = "hermes"
+    keeps_special_tokens = True
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
 
@@ -103,7 +112,7 @@ class HermesParser(ToolCallParser):
             for block in self._BLOCK.findall(text, start):
                 obj = json.loads(block)
                 objs.extend(obj if isinstance(obj, list) else [obj])
-        except ValueError:
+        except Exception:  # not JSON, or nested past the recursion limit: the output is content
             return None
         calls = _calls_of(objs)
         return None if calls is None else ParsedOutput(text[:start] or None, calls)
@@ -130,7 +139,7 @@ class Llama3JsonParser(ToolCallParser):
                 obj, at = decoder.raw_decode(body, at)
                 objs.append(obj)
                 at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
-        except ValueError:
+        except Exception:  # not JSON, or nested past the recursion limit: the output is content
             return None
         calls = _calls_of(objs)
         return None if calls is None else ParsedOutput(None, calls)
@@ -156,17 +165,18 @@ class PythonicParser(ToolCallParser):
             if not isinstance(tree, ast.List) or not tree.elts:
                 return None
             calls = [self._call(node) for node in tree.elts]
-        except (SyntaxError, ValueError, TypeError, RecursionError):
+        except Exception:  # not Python, not literals, or too deep for the parser (MemoryError, RecursionError)
             return None
         return ParsedOutput(None, calls)
 
     @staticmethod
     def _call(node: ast.expr) -> ParsedCall:
         """A call node with literal keyword arguments; ValueError for anything else (names, positional args)."""
-        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
-            raise ValueError("not a call with keyword arguments")
+        if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name | ast.Attribute) or node.args
+                or any(k.arg is None for k in node.keywords)):
+            raise ValueError("not a call of a name with keyword arguments")
         name = ast.unparse(node.func)  # a dotted name too (function names may hold dots)
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        if not _FUNCTION_NAME.fullmatch(name):
             raise ValueError(f"not a function name: {name}")
         arguments = _arguments_text({k.arg: ast.literal_eval(k.value) for k in node.keywords})
         if arguments is None:

@@ -40,6 +40,8 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, li
         raise ValueError("prompt must not be empty")
     _check_token_ids("prompt", prompt_token_ids, limits.vocab_size)
     _check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
+    _check_token_ids("logit_bias", list(params.logit_bias or {}), limits.vocab_size)
+    _check_token_ids("allowed_token_ids", params.allowed_token_ids or [], limits.vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > limits.vocab_size:

@@ -1,4 +1,5 @@
-"""Logits → next tokens: penalties, min-token suppression, temperature, top-k/p, min-p, logprobs.
+"""Logits → next tokens: penalties, logit bias, allowed tokens, min-token suppression, temperature, top-k/p, min-p,
+logprobs.
 
 Numerically safe: NaN and +inf never reach a softmax, and a row whose distribution is degenerate
 (NaN or +inf logits, every token masked) takes the arg-max of its finite logits, so every token
@@ -56,6 +57,18 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         output = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(output, minlength=logits.shape[0])[: logits.shape[0]].to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_bias_and_allowed(logits: torch.Tensor, params: SamplingParams) -> None:
+    """vLLM's logit_bias (added to the tokens' logits) and allowed_token_ids (every other token masked)."""
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                                               device=logits.device))
+    if params.allowed_token_ids is not None:
+        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = logits[ids]
+        logits.fill_(NEG_INF).index_copy_(0, ids, kept)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -206,12 +219,13 @@ def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow]) -> None:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """One token per row of ``logits [rows, vocab]`` (fp32); logprobs are of the raw model output."""
     edited = [i for i, row in enumerate(rows)
-              if row.params.has_penalties or row.suppressed_token_ids or row.grammar is not None]
+              if row.params.edits_logits or row.suppressed_token_ids or row.grammar is not None]
     work = logits.clone() if edited else logits  # keep the raw logits intact for logprobs
     for i in edited:
         row = rows[i]
         if row.params.has_penalties:
             apply_penalties(work[i], row)
+        apply_bias_and_allowed(work[i], row.params)
         if row.suppressed_token_ids:
             work[i, row.suppressed_token_ids] = NEG_INF
     _apply_grammars(work, rows)

@@ -30,6 +30,12 @@ def _is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _token_id(key: object) -> object:
+    """A logit_bias key as a token id: an int, or its decimal text (JSON's keys are text); anything else as given,
+    for the check to name."""
+    return int(key) if isinstance(key, str) and key.isdecimal() else key
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     """vLLM's class of the same name, for ``SamplingParams(structured_outputs=...)``: exactly one of a JSON schema,
@@ -71,6 +77,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     beam_width: int = 1
     length_penalty: float = 1.0
+    # vLLM's logit_bias: added to these tokens' logits before sampling (keys may be decimal text, as JSON keeps them)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     # vLLM's structured outputs: exactly one of {"json": schema, "regex": ..., "choice": [...], "grammar": Lark or
     # GBNF, "json_object": True} (or a StructuredOutputsParams); the output then follows it
     # (engine/structured_output.py)
@@ -81,6 +90,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_id(key): value for key, value in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, StructuredOutputsParams):
             self.structured_outputs = self.structured_outputs.as_dict()
         self._validate()
@@ -147,6 +160,17 @@ class SamplingParams:
                 value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                 f"{name} must be None or an integer between 0 and {MAX_LOGPROBS}, got {value!r}",
             )
+        if self.logit_bias is not None:
+            _require(isinstance(self.logit_bias, dict), f"logit_bias must be None or a dict, got {self.logit_bias!r}")
+            bad = next(((k, v) for k, v in self.logit_bias.items() if not (_is_int(k) and k >= 0
+                                                                          and _is_finite_number(v))), None)
+            _require(bad is None, f"logit_bias must map token ids >= 0 to finite numbers, got {bad!r}")
+        if self.allowed_token_ids is not None:
+            _require(len(self.allowed_token_ids) > 0 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                     f"allowed_token_ids must be a non-empty list of token ids >= 0, got {self.allowed_token_ids!r}")
+        for name in ("logit_bias", "allowed_token_ids"):
+            _require(getattr(self, name) is None or not self.is_beam_search,
+                     f"{name} cannot be combined with beam search (beam_width > 1)")
         if self.structured_outputs is not None:
             _require(isinstance(self.structured_outputs, dict),
                      f"structured_outputs must be None or a dict, got {type(self.structured_outputs).__name__}")
@@ -173,6 +197,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding takes the arg-max token (temperature 0, or too small to divide by)."""
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    @property
+    def edits_logits(self) -> bool:
+        """True when sampling changes this request's logits before drawing (penalties, bias, allowed tokens)."""
+        return self.has_penalties or self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -40,8 +40,17 @@ def _edges(bounds: Bounds) -> tuple[list[int | float], list[int | float]]:
 
 
 def _with(spec: SamplingField, value: Any) -> dict[str, Any]:
+    if spec.max_items is not None:  # a list's bounds are its items'
+        return {spec.name: [value]}
     # min_tokens may not exceed max_tokens: give it room
     return {spec.name: value} | ({"max_tokens": max(value, 1)} if spec.name == "min_tokens" else {})
+
+
+def _items(spec: SamplingField, count: int) -> list[Any] | dict[str, float]:
+    """`count` valid items of a list field (of a mapping: token ids as JSON's text keys)."""
+    if spec.name == "logit_bias":
+        return {str(token_id): 1.0 for token_id in range(count)}
+    return ["x" if spec.name == "stop" else 0] * count
 
 
 def _accepts(schema: Callable[..., object], params: dict[str, Any]) -> bool:
@@ -91,6 +100,5 @@ def test_what_the_service_accepts_the_engine_runs(spec: SamplingField) -> None:
 
 @pytest.mark.parametrize("spec", LISTS, ids=lambda spec: spec.name)
 def test_the_service_takes_up_to_the_declared_number_of_list_items(spec: SamplingField) -> None:
-    item = "x" if spec.name == "stop" else 0
-    assert _accepts(SamplingParamsIn, {spec.name: [item] * spec.max_items})
-    assert not _accepts(SamplingParamsIn, {spec.name: [item] * (spec.max_items + 1)})
+    assert _accepts(SamplingParamsIn, {spec.name: _items(spec, spec.max_items)})
+    assert not _accepts(SamplingParamsIn, {spec.name: _items(spec, spec.max_items + 1)})

@@ -47,6 +47,16 @@ CONTENT = [  # no tool calls in them: answered as content, whole
     ("pythonic", "[f(x={1, 2})]"),  # JSON has no sets
     ("pythonic", "[]"),
     ("pythonic", "Call get_weather(city='Paris')."),
+    # hostile output: a call's parts the response could not carry, parsers' own limits
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'),  # a lone surrogate
+    ("hermes", '<tool_call>{"name": "a b <x>", "arguments": {}}</tool_call>'),  # no function is named so
+    ("hermes", "<tool_call>" + "[" * 5000),
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 995 + "]" * 995 + "}</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": ' + "[" * 5000),
+    ("pythonic", "[f(a=" + "-" * 6000 + "1)]"),
+    ("pythonic", "[f(a=" + "not " * 6000 + "1)]"),
+    ("pythonic", "[1.5(a=2)]"),
+    ("pythonic", "[f(a=10**100000)]"),
 ]
 
 

@@ -78,6 +78,37 @@ def test_text_reported_while_running_never_holds_what_a_stop_string_cuts(llm: LL
     assert all(final.startswith(text) for text in reported)
 
 
+def test_logit_bias_moves_greedy_choices_and_leaves_logprobs_raw(llm: LLM) -> None:
+    plain = greedy(llm, logprobs=2)
+    first = plain.token_ids[0]
+    (runner_up,) = [t for t in plain.logprobs[0] if t != first]  # the raw model's second choice
+    out = greedy(llm, logit_bias={first: -100.0}, logprobs=0)
+    assert out.token_ids[0] == runner_up
+    assert out.logprobs[0][runner_up] == pytest.approx(plain.logprobs[0][runner_up], abs=1e-5)  # not the biased
+    forced = greedy(llm, logit_bias={str(runner_up): 100.0}, max_tokens=6)  # JSON's text keys are token ids too
+    assert forced.token_ids == [runner_up] * 6
+
+
+def test_allowed_token_ids_limit_every_draw(llm: LLM) -> None:
+    plain = greedy(llm, logprobs=3)
+    first, second, third = sorted(plain.logprobs[0], key=plain.logprobs[0].get, reverse=True)
+    assert greedy(llm, allowed_token_ids=[third, second]).token_ids[0] == second
+    params = SamplingParams(n=4, max_tokens=8, temperature=2.0, seed=3, ignore_eos=True,
+                            allowed_token_ids=[first, third, 17])
+    outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    drawn = {t for out in outputs for t in out.token_ids}
+    assert drawn <= {first, third, 17} and len(drawn) > 1
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"logit_bias": {VOCAB_SIZE: 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": [0, VOCAB_SIZE]}, "allowed_token_ids"),
+])
+def test_token_ids_past_the_vocabulary_are_refused_at_add_request(llm: LLM, kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        llm.engine.add_request("past-vocab", PROMPT, SamplingParams(**kwargs))
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens_decides_whether_special_tokens_show_in_the_text(llm: LLM, skip: bool) -> None:
     special = llm.tokenizer.encode("<|im_start|>")
@@ -202,6 +233,11 @@ def test_parallel_samples_share_prompt_blocks(tiny_model_dir: Path) -> None:
         ({"seed": 2**64}, "seed"),
         ({"n": True}, "n"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: 1.0}, "beam_width": 2}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3], "beam_width": 2}, "allowed_token_ids"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

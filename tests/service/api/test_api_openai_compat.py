@@ -79,6 +79,10 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"prompt": ["fox", "fox " * 200]}, "prompt.1"),
     ({"prompt": [[5], [5] * 200]}, "prompt.1"),
     ({"prompt": ["fox", "fox"], "max_tokens": 10**6}, "max_tokens"),  # the prompts fit; max_tokens is too large
+    ({"logit_bias": {"fox": 1}}, "logit_bias.fox.[key]"),
+    ({"logit_bias": {"5": "high"}}, "logit_bias.5"),
+    ({"logit_bias": {"1000000": 5}}, "logit_bias"),
+    ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
 ])
 def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
@@ -230,6 +234,13 @@ def test_each_way_to_ask_for_structured_output_becomes_the_jobs_constraint(
 ) -> None:
     body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "fox"}], max_tokens=4, **extra)
     assert body.to_job().sampling_params()["structured_outputs"] == stored
+
+
+def test_logit_bias_takes_token_ids_as_text_and_is_clamped_to_openais_range_as_vllm_does() -> None:
+    body = CompletionRequest(model="tiny", prompt="fox", logit_bias={"5": 250.0, "7": -1e9, "9": 0.5},
+                             allowed_token_ids=[5, 7])
+    params = body.to_job().sampling_params()
+    assert params["logit_bias"] == {5: 100.0, 7: -100.0, 9: 0.5} and params["allowed_token_ids"] == [5, 7]
 
 
 def test_a_batch_line_names_the_field_as_its_endpoint_would(client: TestClient) -> None:

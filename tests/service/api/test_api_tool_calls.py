@@ -196,4 +196,20 @@ def test_a_finished_auto_job_answers_with_the_calls_its_parser_reads_and_the_con
     # a stream sent the content before the call as it came: the end carries the call, or the text still held
     deltas = tool_call_deltas(job, 0, {0: len("Let me look.\n"), 1: 4, 2: 0})
     assert [d["delta"] for d in deltas[1:]] == [{"content": " words."}, {"content": HERMES_TEXT}]
+    assert list(deltas[0]["delta"]) == ["tool_calls"]
     assert deltas[0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    # token events lost on the way: the content not yet sent comes with the calls; a choice all sent, not at all
+    (gap, rest) = tool_call_deltas(job, 0, {0: 3, 1: len("Just words."), 2: 0})
+    assert gap["delta"]["content"] == "Let me look.\n"[3:] and gap["delta"]["tool_calls"]
+    assert rest["index"] == 2
+
+
+def test_only_the_hermes_parser_keeps_special_tokens(service_settings: Settings) -> None:
+    for parser, keeps in (("hermes", True), ("llama3_json", False), ("pythonic", False)):
+        configure(service_settings.model_copy(update={"enable_auto_tool_choice": True, "tool_call_parser": parser}))
+        try:
+            job = _request(tools=[WEATHER]).to_job()
+        finally:
+            configure(service_settings)
+        assert job.metadata is not None and job.metadata["openai_tool_choice"] == AUTO_PREFIX + parser
+        assert job.sampling_params()["skip_special_tokens"] is not keeps

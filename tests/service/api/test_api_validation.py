@@ -55,6 +55,12 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
     ({"prompt": "x", "structured_outputs": "a+"}, "structured_outputs"),
     ({"prompt": "x", "beam_width": 2, "structured_outputs": {"regex": "a"}}, "cannot be combined with beam search"),
+    ({"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ({"prompt": "x", "logit_bias": {"fox": 1}}, "logit_bias.fox"),
+    ({"prompt": "x", "logit_bias": {"1000000000": 1}}, "logit_bias: token id 1000000000"),
+    ({"prompt": "x", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids: token id 1000000000"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "beam_width": 2, "logit_bias": {"5": 1}}, "logit_bias cannot be combined with beam search"),
 ]
 
 

@@ -44,6 +44,10 @@ def _refused_inputs(vocab_size: int) -> list[tuple[dict[str, Any], str]]:
         ({"prompt": "Hi", "max_tokens": 4, "seed": 2**64}, "seed"),
         ({"prompt": "Hi", "max_tokens": 4, "n": 10**6}, "n"),
         ({"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
+        ({"prompt": "Hi", "max_tokens": 4, "logit_bias": {str(vocab_size): 5.0}}, "logit_bias"),
+        ({"prompt": "Hi", "max_tokens": 4, "logit_bias": {"-1": 5.0}}, "logit_bias"),
+        ({"prompt": "Hi", "max_tokens": 4, "allowed_token_ids": [vocab_size]}, "allowed_token_ids"),
+        ({"prompt": "Hi", "max_tokens": 4, "allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt": "word " * 600, "max_tokens": 4}, "prompt"),
     ]
 
@@ -58,6 +62,8 @@ ACCEPTED_INPUTS: list[dict[str, Any]] = [
      "frequency_penalty": -2.0},
     {"prompt": "Hi", "max_tokens": 4, "stop_token_ids": [0], "min_tokens": 4, "logprobs": 20, "n": 4},
     {"prompt": "Hi", "max_tokens": 4, "beam_width": 4, "length_penalty": -10.0},
+    # every token masked but the one biased to -inf's edge: still a token of the vocabulary
+    {"prompt": "Hi", "max_tokens": 4, "allowed_token_ids": [0], "logit_bias": {"0": -100.0}, "temperature": 10.0},
 ]
 
 
