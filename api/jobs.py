@@ -18,7 +18,7 @@ from api.schemas import JobCreate
 from core import streams
 from core.lifecycle import job_created, transition
 from core.models import ApiKey, Job, JobStatus
-from core.prompts import PromptTooLongError, TokenIdError
+from core.prompts import PromptFieldError, PromptTooLongError, TokenIdError
 from core.settings import get_settings
 from core.webhook_urls import check_webhook_url
 
@@ -39,11 +39,14 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
             # kept for reading back shows U+FFFD there instead
             prompt = model.tokenizer.decode(body.prompt_token_ids, skip_special_tokens=False).replace("\x00", "\ufffd")
         else:
-            prompt = body.prompt if messages is None else model.render_chat(messages, tools=body.chat_tools())
+            prompt = body.prompt if messages is None else model.render_chat(
+                messages, tools=body.chat_tools(), options=body.chat_template_options())
             num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field_prefix + field,
                                                  field_prefix + "max_tokens")
-    except PromptTooLongError as exc:
+    except PromptTooLongError as exc:  # its field is prefixed already
         raise ApiError(422, str(exc), exc.field) from exc
+    except PromptFieldError as exc:
+        raise ApiError(422, str(exc), field_prefix + exc.field) from exc
     except ValueError as exc:
         raise ApiError(422, str(exc), field_prefix + field) from exc
     for name, token_ids in (("stop_token_ids", body.stop_token_ids), ("logit_bias", list(body.logit_bias or {})),

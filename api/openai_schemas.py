@@ -11,6 +11,7 @@ from api.errors import ApiError
 from api.prompts import prompt_model
 from api.schemas import JobCreate, MetadataValue, NulFreeStr, StructuredOutputsIn, sampling_bounds
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
+from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import get_settings
 from core.tool_calls import AUTO_PREFIX, NAMED_PREFIX, REQUIRED, call_schema
 from core.tool_parsers import TOOL_CALL_PARSERS
@@ -378,6 +379,10 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: how the chat template renders the messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod
@@ -391,10 +396,13 @@ class ChatCompletionRequest(OpenAIRequest):
         """The job that answers this request; without a token limit it may fill the rest of the context."""
         messages = [m.as_job_message() for m in self.messages]
         tools = self._chat_tools()
+        options = self._template_options()
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        max_tokens = limit if limit is not None else self._rest_of_context(messages, tools)
+        max_tokens = limit if limit is not None else self._rest_of_context(messages, tools, options)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._job(CHAT_COMPLETIONS, max_tokens, logprobs, messages=messages, tools=tools)
+        return self._job(CHAT_COMPLETIONS, max_tokens, logprobs, messages=messages, tools=tools,
+                         **self.model_dump(include={"add_generation_prompt", "continue_final_message",
+                                                    "chat_template_kwargs"}))
 
     def _chat_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template reads them; every tool_choice but "none" shows them, as vLLM does by
@@ -451,12 +459,20 @@ class ChatCompletionRequest(OpenAIRequest):
     def sent_as(self) -> dict[str, str]:
         return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
 
-    def _rest_of_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    def _template_options(self) -> ChatTemplateOptions:
+        try:
+            return ChatTemplateOptions(self.add_generation_prompt, self.continue_final_message,
+                                       self.chat_template_kwargs or {})
+        except PromptFieldError as exc:
+            raise ApiError(400, str(exc), exc.field) from exc
+
+    def _rest_of_context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                         options: ChatTemplateOptions) -> int:
         model = prompt_model()
         try:
-            num_prompt_tokens = model.count_tokens(model.render_chat(messages, tools=tools))
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "messages") from exc
+            num_prompt_tokens = model.count_tokens(model.render_chat(messages, tools=tools, options=options))
+        except PromptFieldError as exc:
+            raise ApiError(400, str(exc), exc.field) from exc
         return max(1, model.max_model_len - num_prompt_tokens)
 
 

@@ -20,6 +20,7 @@ from pydantic import (
 
 from core.job_payload import JobOut
 from core.models import DeliveryStatus
+from core.prompts import ChatTemplateOptions
 from core.sampling_fields import SAMPLING_FIELDS
 from core.structured_outputs import StructuredOutputError, grammar_of, only_kind, set_fields
 
@@ -34,6 +35,16 @@ def _nul_free(value: str) -> str:
 
 
 NulFreeStr = Annotated[str, AfterValidator(_nul_free)]
+
+
+def _nul_free_json(value: dict[str, Any]) -> dict[str, Any]:
+    # a JSON object rendered into the prompt, which is stored
+    if "\\u0000" in json.dumps(value):
+        raise ValueError("must not contain the NUL character (\\u0000)")
+    return value
+
+
+NulFreeJsonObject = Annotated[dict[NulFreeStr, Any], AfterValidator(_nul_free_json)]
 MetadataValue = NulFreeStr | int | float | bool | None
 
 
@@ -202,14 +213,7 @@ class FunctionIn(BaseModel):
 
     name: NulFreeStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: NulFreeStr | None = Field(None, max_length=8192)
-    parameters: dict[str, Any] | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _nul_free_parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and "\\u0000" in json.dumps(value):  # the prompt it renders into is stored
-            raise ValueError("must not contain the NUL character (\\u0000)")
-        return value
+    parameters: NulFreeJsonObject | None = None
 
 
 class ToolIn(BaseModel):
@@ -230,6 +234,12 @@ class JobCreate(SamplingParamsIn):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=256)
     tools: list[ToolIn] | None = Field(
         None, min_length=1, max_length=128, description="with messages: tool definitions for the chat template")
+    add_generation_prompt: bool = Field(True, description="with messages: end the prompt with the assistant's turn")
+    continue_final_message: bool = Field(
+        False, description="with messages: leave the final message open for the model to continue "
+        "(needs add_generation_prompt false)")
+    chat_template_kwargs: NulFreeJsonObject | None = Field(
+        None, max_length=64, description="with messages: extra variables for the chat template (enable_thinking...)")
     priority: int = Field(0, ge=-1000, le=1000)
     metadata: dict[NulFreeStr, MetadataValue] | None = Field(None, max_length=32)
     webhook_url: NulFreeStr | None = Field(None, min_length=1, max_length=2048)
@@ -240,7 +250,16 @@ class JobCreate(SamplingParamsIn):
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools are rendered by the chat template: give them with messages")
+        options = self.chat_template_options()  # which checks them
+        if self.messages is None and options != ChatTemplateOptions():
+            raise ValueError("add_generation_prompt, continue_final_message and chat_template_kwargs shape how the "
+                             "chat template renders messages: give them with messages")
         return self
+
+    def chat_template_options(self) -> ChatTemplateOptions:
+        """How the chat template renders this job's messages."""
+        return ChatTemplateOptions(self.add_generation_prompt, self.continue_final_message,
+                                   self.chat_template_kwargs or {})
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The tool definitions as the chat template reads them (unset fields left out)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -16,17 +16,48 @@ from core.model_files import prepared_folder
 from core.settings import get_settings
 
 
-class PromptTooLongError(ValueError):
-    """The prompt plus max_tokens does not fit the model's context window; `field` is the one to blame: the prompt
-    when it leaves no room for a single token, else max_tokens."""
+class PromptFieldError(ValueError):
+    """A prompt that cannot be made or run; `field` is the request field to blame."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
 
 
+class PromptTooLongError(PromptFieldError):
+    """The prompt plus max_tokens does not fit the model's context window; `field` is the one to blame: the prompt
+    when it leaves no room for a single token, else max_tokens."""
+
+
 class TokenIdError(ValueError):
     """A token id outside the model's vocabulary (the engine would index past its embeddings)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """How chat messages are rendered, as vLLM's chat requests ask: a generation prompt after them (or the final
+    message left open for the model to continue), and extra variables for the template (`enable_thinking`...)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PromptFieldError("continue_final_message needs add_generation_prompt false: the model either "
+                                   "continues the final message or starts a new one", "continue_final_message")
+
+
+def _open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """The rendering cut right after the final message's text, so the model continues it (transformers' and vLLM's
+    continue_final_message)."""
+    final = str(messages[-1].get("content") or "")
+    for text in (final, final.strip()):
+        index = rendered.rfind(text) if text else -1
+        if index >= 0:
+            return rendered[: index + len(text)]
+    raise PromptFieldError("continue_final_message: the final message's text is not in the chat template's "
+                           "rendering (an empty final message cannot be continued)", "continue_final_message")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,21 +71,27 @@ class PromptModel:
     chat_template: str | None
     special_tokens: dict[str, str]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    options: ChatTemplateOptions | None = None) -> str:
         """The prompt text for chat messages (and tool definitions, for templates that show them), through the
-        model's own chat template."""
+        model's own chat template; PromptFieldError naming the field at fault."""
         if not self.chat_template:
-            raise ValueError("messages: this model has no chat template; send a prompt instead")
+            raise PromptFieldError("messages: this model has no chat template; send a prompt instead", "messages")
+        options = options or ChatTemplateOptions()
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        # templates test `tools is defined` or `tools`: only given tools are passed
-        extra = {"tools": tools} if tools else {}
+        variables = {**self.special_tokens, "messages": messages,
+                     "add_generation_prompt": options.add_generation_prompt}
+        if tools:  # templates test `tools is defined` or `tools`: only given tools are passed
+            variables["tools"] = tools
+        clash = sorted(set(options.template_kwargs) & (set(variables) | {"tools"}))
+        if clash:
+            raise PromptFieldError(f"chat_template_kwargs.{clash[0]}: set by the server, not by chat_template_kwargs",
+                                   f"chat_template_kwargs.{clash[0]}")
         try:
-            template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens, **extra)
-        except TemplateError as exc:
-            raise ValueError(f"messages: the model's chat template failed: {exc}") from exc
+            rendered = env.from_string(self.chat_template).render(**options.template_kwargs, **variables)
+        except Exception as exc:  # TemplateError, or a TypeError of the template's own code on the values it got
+            raise PromptFieldError(f"messages: the model's chat template failed: {exc}", "messages") from exc
+        return _open_final_message(rendered, messages) if options.continue_final_message else rendered
 
     def count_tokens(self, prompt: str) -> int:
         """Number of prompt tokens the engine will see."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -10,6 +12,7 @@ from api.errors import ApiError
 from api.openai_errors import OpenAIRoute
 from api.openai_schemas import ChatMessageIn, check_served_model
 from api.prompts import prompt_model
+from core.prompts import ChatTemplateOptions, PromptFieldError
 
 router = APIRouter(tags=["openai"], route_class=OpenAIRoute)
 _VLLM = ConfigDict(extra="forbid")
@@ -24,6 +27,8 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = Field(None, max_length=400_000)
     messages: list[ChatMessageIn] | None = Field(None, min_length=1, max_length=256)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -68,9 +73,11 @@ def tokenize(body: TokenizeRequest, key: CurrentKey) -> TokenizeResponse:
         text = body.prompt or ""
     else:
         try:
-            text = model.render_chat([m.as_job_message() for m in body.messages], body.add_generation_prompt)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "messages") from exc
+            options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message,
+                                          body.chat_template_kwargs or {})
+            text = model.render_chat([m.as_job_message() for m in body.messages], options=options)
+        except PromptFieldError as exc:
+            raise ApiError(400, str(exc), exc.field) from exc
     encoding = model.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     return TokenizeResponse(count=len(encoding.ids), max_model_len=model.max_model_len, tokens=encoding.ids,
                             token_strs=encoding.tokens if body.return_token_strs else None)

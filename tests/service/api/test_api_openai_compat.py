@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import prompt_model
 from core.models import ApiKey
 from core.openai_responses import COMPLETIONS
+from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import Settings, configure
 
 ALIASES = ["tiny", "tiny-chat"]
@@ -278,6 +280,54 @@ def test_tokenize_renders_messages_through_the_chat_template(
 
     assert text(with_prompt["tokens"]) == "<|im_start|>user\nthe fox<|im_end|>\n<|im_start|>assistant\n"
     assert text(without["tokens"]) == "<|im_start|>user\nthe fox<|im_end|>\n"
+
+
+CONTINUED = [{"role": "user", "content": "the fox"}, {"role": "assistant", "content": "It jumps "}]
+
+
+def test_a_final_message_left_open_is_what_the_model_continues(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    body = {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = client.post("/tokenize", json=body, headers=auth_headers).json()["tokens"]
+    text = client.post("/detokenize", json={"tokens": tokens}, headers=auth_headers).json()["prompt"]
+    assert text == "<|im_start|>user\nthe fox<|im_end|>\n<|im_start|>assistant\nIt jumps "
+    job = client.post("/v1/jobs", json={**body, "max_tokens": 2}, headers=auth_headers)
+    assert job.status_code == 202 and job.json()["prompt"] == text
+    chat = ChatCompletionRequest(model="tiny", max_tokens=2, **body).to_job()
+    assert chat.chat_template_options().continue_final_message
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_replace_what_the_server_sets() -> None:
+    template = "{% if enable_thinking %}<think>{% endif %}{{ messages[-1].content }}{{ 1 + offset }}"
+    model = dataclasses.replace(prompt_model(), chat_template=template)
+    messages = [{"role": "user", "content": "fox"}]
+    assert model.render_chat(messages, options=ChatTemplateOptions(template_kwargs={"enable_thinking": True,
+                                                                                   "offset": 1})) == "<think>fox2"
+    for kwargs, field in (({"messages": [], "offset": 1}, "chat_template_kwargs.messages"),
+                          ({"offset": "one"}, "messages")):  # the template's own failure on what it was given
+        with pytest.raises(PromptFieldError) as caught:
+            model.render_chat(messages, options=ChatTemplateOptions(template_kwargs=kwargs))
+        assert caught.value.field == field
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true by default
+    ({"add_generation_prompt": False, "continue_final_message": True,
+      "messages": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": ""}]},
+     "continue_final_message"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"chat_template_kwargs": "think"}, "chat_template_kwargs"),
+])
+@pytest.mark.parametrize("max_tokens", [None, 4])  # without max_tokens the context left is counted first
+def test_bad_chat_template_options_are_400_naming_the_field(
+    client: TestClient, auth_headers: dict[str, str], body: dict[str, Any], param: str, max_tokens: int | None
+) -> None:
+    request = {"model": "tiny", "messages": CONTINUED, "max_tokens": max_tokens, **body}
+    assert _error(client.post("/v1/chat/completions", json=request, headers=auth_headers))["param"] == param
+    if "messages" not in body:
+        tokenize = {"messages": CONTINUED, **body}
+        assert _error(client.post("/tokenize", json=tokenize, headers=auth_headers))["param"] == param
 
 
 @pytest.mark.parametrize(("route", "body", "param"), [

@@ -61,6 +61,13 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids: token id 1000000000"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "beam_width": 2, "logit_bias": {"5": 1}}, "logit_bias cannot be combined with beam search"),
+    ({"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs shape how the chat template renders"),
+    ({"prompt": "x", "add_generation_prompt": False}, "give them with messages"),
+    ({"messages": [{"role": "user", "content": "y"}], "continue_final_message": True}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "y"}], "chat_template_kwargs": {"tools": []}},
+     "chat_template_kwargs.tools"),
+    ({"messages": [{"role": "user", "content": "y"}], "chat_template_kwargs": {"a": "\u0000"}},
+     "chat_template_kwargs: Value error, must not contain the NUL"),
 ]
 
 
