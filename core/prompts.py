@@ -48,16 +48,25 @@ class ChatTemplateOptions:
                                    "continues the final message or starts a new one", "continue_final_message")
 
 
-def _open_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
-    """The rendering cut right after the final message's text, so the model continues it (transformers' and vLLM's
-    continue_final_message)."""
-    final = str(messages[-1].get("content") or "")
-    for text in (final, final.strip()):
-        index = rendered.rfind(text) if text else -1
-        if index >= 0:
-            return rendered[: index + len(text)]
-    raise PromptFieldError("continue_final_message: the final message's text is not in the chat template's "
-                           "rendering (an empty final message cannot be continued)", "continue_final_message")
+# appended to the final message's text to find where it ends in the rendering (transformers' and vLLM's scheme): its
+# text alone may also occur in the template's own markers ("end" in "<|im_end|>")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with the tag after the final message's text."""
+    final = messages[-1]
+    return [*messages[:-1], {**final, "content": str(final.get("content") or "") + _CONTINUE_TAG}]
+
+
+def _cut_at_tag(rendered: str) -> str:
+    """The rendering up to where the final message's text ends, left open for the model to continue it."""
+    at = rendered.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise PromptFieldError("continue_final_message: the chat template does not show the final message's text, "
+                               "so there is nothing to continue", "continue_final_message")
+    # a template that trims the message trims the tag's space too, and the message's own trailing space with it
+    return rendered[:at] if rendered.startswith(_CONTINUE_TAG, at) else rendered[:at].rstrip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +96,13 @@ class PromptModel:
         if clash:
             raise PromptFieldError(f"chat_template_kwargs.{clash[0]}: set by the server, not by chat_template_kwargs",
                                    f"chat_template_kwargs.{clash[0]}")
+        if options.continue_final_message:
+            variables["messages"] = _tagged_final_message(messages)
         try:
             rendered = env.from_string(self.chat_template).render(**options.template_kwargs, **variables)
         except Exception as exc:  # TemplateError, or a TypeError of the template's own code on the values it got
             raise PromptFieldError(f"messages: the model's chat template failed: {exc}", "messages") from exc
-        return _open_final_message(rendered, messages) if options.continue_final_message else rendered
+        return _cut_at_tag(rendered) if options.continue_final_message else rendered
 
     def count_tokens(self, prompt: str) -> int:
         """Number of prompt tokens the engine will see."""

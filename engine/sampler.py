@@ -216,6 +216,18 @@ def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     work.index_copy_(0, index, work.index_select(0, index).masked_fill_(~allowed, NEG_INF))
 
 
+def _fallback_inside_allowed(logits: torch.Tensor, tokens: torch.Tensor, broken: torch.Tensor,
+                             rows: list[SamplingRow]) -> torch.Tensor:
+    """A row that limits its tokens (allowed_token_ids) but had every one masked (by min_tokens, a grammar) takes the
+    likeliest allowed token of the raw logits, not the arg-max of nothing (token 0). On the device: no read-back."""
+    for i, row in enumerate(rows):
+        if row.params.allowed_token_ids is not None:
+            ids = torch.tensor(row.params.allowed_token_ids, dtype=torch.long, device=logits.device)
+            raw = torch.nan_to_num(logits[i, ids].float(), nan=NEG_INF, posinf=FP32.max)
+            tokens[i] = torch.where(broken[i], ids[raw.argmax()], tokens[i])
+    return tokens
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """One token per row of ``logits [rows, vocab]`` (fp32); logprobs are of the raw model output."""
     edited = [i for i, row in enumerate(rows)
@@ -241,5 +253,6 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
                                            row_max if every_row else row_max[index], [rows[i] for i in randomized])
         fallback = tokens.index_select(0, index)
         tokens = tokens.index_copy(0, index, torch.where(degenerate | broken[index], fallback, drawn))
+    tokens = _fallback_inside_allowed(logits, tokens, broken, rows)
     token_ids = tokens.tolist()  # the step's one read-back of sampled tokens
     return [SampleResult(token, entry) for token, entry in zip(token_ids, _logprobs(logits, token_ids, rows))]

@@ -100,6 +100,14 @@ def test_allowed_token_ids_limit_every_draw(llm: LLM) -> None:
     assert drawn <= {first, third, 17} and len(drawn) > 1
 
 
+def test_a_row_with_every_allowed_token_masked_still_draws_an_allowed_one(llm: LLM) -> None:
+    (eos,) = llm.engine.eos_token_ids  # min_tokens masks the only allowed token: nothing is left to draw from
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=4, temperature=temperature, seed=1)
+        (out,) = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+        assert out.token_ids == [eos, eos] and out.finish_reason == "stop"
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"logit_bias": {VOCAB_SIZE: 1.0}}, "logit_bias"),
     ({"allowed_token_ids": [0, VOCAB_SIZE]}, "allowed_token_ids"),

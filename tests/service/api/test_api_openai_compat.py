@@ -296,6 +296,17 @@ def test_a_final_message_left_open_is_what_the_model_continues(
     assert job.status_code == 202 and job.json()["prompt"] == text
     chat = ChatCompletionRequest(model="tiny", max_tokens=2, **body).to_job()
     assert chat.chat_template_options().continue_final_message
+    # the final message's text found where it ends, not where it also occurs ("end" in <|im_end|>); empty is open too
+    model, options = prompt_model(), ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    for content in ("end", ""):
+        rendered = model.render_chat([CONTINUED[0], {"role": "assistant", "content": content}], options=options)
+        assert rendered == "<|im_start|>user\nthe fox<|im_end|>\n<|im_start|>assistant\n" + content
+    hiding = dataclasses.replace(model, chat_template="{% for m in messages %}{{ m.role }}:{% endfor %}")
+    with pytest.raises(PromptFieldError, match="does not show the final message") as caught:
+        hiding.render_chat(CONTINUED, options=options)
+    assert caught.value.field == "continue_final_message"
+    trimming = dataclasses.replace(model, chat_template="{% for m in messages %}[{{ m.content | trim }}]{% endfor %}")
+    assert trimming.render_chat(CONTINUED, options=options) == "[the fox][It jumps"
 
 
 def test_chat_template_kwargs_reach_the_template_and_cannot_replace_what_the_server_sets() -> None:
@@ -313,9 +324,6 @@ def test_chat_template_kwargs_reach_the_template_and_cannot_replace_what_the_ser
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true by default
-    ({"add_generation_prompt": False, "continue_final_message": True,
-      "messages": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": ""}]},
-     "continue_final_message"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
     ({"chat_template_kwargs": "think"}, "chat_template_kwargs"),
 ])
