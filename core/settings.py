@@ -64,9 +64,10 @@ class Settings(BaseSettings):
     enable_auto_tool_choice: bool = Field(
         False, description="tool_choice auto (a chat request's default when it has tools) reads tool calls out of the "
         "output with --tool-call-parser (as vLLM; without it, auto answers the text as content)")
-    tool_call_parser: Literal["hermes", "llama3_json", "pythonic"] | None = Field(
+    tool_call_parser: Literal["hermes", "mistral", "granite", "llama3_json", "pythonic"] | None = Field(
         None, description="the model's tool-call format: hermes (<tool_call> JSON blocks: Hermes, Qwen, SmolLM2), "
-        "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 and 4: [f(x=1)])")
+        "mistral ([TOOL_CALLS]), granite (<|tool_call|>), llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 and 4: "
+        "[f(x=1)])")
     served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")

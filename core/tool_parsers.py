@@ -93,33 +93,74 @@ class ToolCallParser(ABC):
         """How many leading characters of a partial output are content whatever follows; grows with the text."""
 
 
-class HermesParser(ToolCallParser):
-    """Hermes, Qwen 2.5/3 and SmolLM2: content, then one JSON call per <tool_call>...</tool_call> block (a block
-    holding a list of calls, as SmolLM2 writes them, counts as those calls). An unclosed last block is read to the
-    end of the output, as when the model stopped on its end-of-turn token."""
+def _listed(text: str) -> list[Any]:
+    """The JSON text of one call object or of a list of them, as a list."""
+    obj = json.loads(text)
+    return obj if isinstance(obj, list) else [obj]
 
-    name = "hermes"
+
+class _MarkedCallsParser(ToolCallParser):
+    """Formats whose output is content, then a marker (a special token in the model's vocabulary) that opens the
+    tool calls: everything from the first marker on is calls, everything before it content."""
+
     keeps_special_tokens = True
-    START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
+    START: ClassVar[str]
+
+    @abstractmethod
+    def _objects(self, calls: str) -> list[Any]:
+        """The call objects of the output from its first marker on; raises if it holds none."""
 
     def parse(self, text: str) -> ParsedOutput | None:
         start = text.find(self.START)
         if start < 0:
             return None
-        objs: list[Any] = []
         try:
-            for block in self._BLOCK.findall(text, start):
-                obj = json.loads(block)
-                objs.extend(obj if isinstance(obj, list) else [obj])
-        except Exception:  # not JSON, or nested past the recursion limit: the output is content
+            calls = _calls_of(self._objects(text[start:]))
+        except Exception:  # not the format, or nested past the recursion limit: the output is content
             return None
-        calls = _calls_of(objs)
         return None if calls is None else ParsedOutput(text[:start] or None, calls)
 
     def content_end(self, text: str) -> int:
         start = text.find(self.START)
         return start if start >= 0 else len(text) - _held_prefix(text, self.START)
+
+
+class HermesParser(_MarkedCallsParser):
+    """Hermes, Qwen 2.5/3 and SmolLM2: content, then one JSON call per <tool_call>...</tool_call> block (a block
+    holding a list of calls, as SmolLM2 writes them, counts as those calls). An unclosed last block is read to the
+    end of the output, as when the model stopped on its end-of-turn token."""
+
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re.DOTALL)
+
+    def _objects(self, calls: str) -> list[Any]:
+        return [obj for block in self._BLOCK.findall(calls) for obj in _listed(block)]
+
+
+class MistralParser(_MarkedCallsParser):
+    """Mistral's: [TOOL_CALLS] and a JSON list of calls, or (tokenizer v11 and later) one `name[ARGS]{arguments}` after
+    each [TOOL_CALLS]."""
+
+    name = "mistral"
+    START, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def _objects(self, calls: str) -> list[Any]:
+        body = calls.removeprefix(self.START).strip()
+        if body.startswith(("[", "{")):
+            return _listed(body)
+        named = [part.split(self.ARGS, 1) for part in calls.split(self.START)[1:]]
+        return [{"name": name.strip(), "arguments": json.loads(arguments)} for name, arguments in named]
+
+
+class GraniteParser(_MarkedCallsParser):
+    """IBM Granite 3's: <|tool_call|> and a JSON list of calls."""
+
+    name = "granite"
+    START = "<|tool_call|>"
+
+    def _objects(self, calls: str) -> list[Any]:
+        return _listed(calls.removeprefix(self.START).strip())
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -189,4 +230,5 @@ class PythonicParser(ToolCallParser):
 
 
 TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
-    parser.name: parser for parser in (HermesParser(), Llama3JsonParser(), PythonicParser())}
+    parser.name: parser for parser in (HermesParser(), MistralParser(), GraniteParser(), Llama3JsonParser(),
+                                       PythonicParser())}

@@ -22,6 +22,13 @@ PARSED = [
      '{"name": "get_time", "parameters": {}}]</tool_call>', ParsedOutput(None, [WEATHER, CLOCK])),
     # the model stopped on its end-of-turn token before closing the block
     ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', ParsedOutput(None, [WEATHER])),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+     '"arguments": {}}]', ParsedOutput(None, [WEATHER, CLOCK])),
+    # tokenizer v11: name[ARGS]{arguments} after each marker
+    ("mistral", 'On it. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     ParsedOutput("On it. ", [WEATHER, CLOCK])),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     ParsedOutput(None, [WEATHER])),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', ParsedOutput(None, [WEATHER])),
     ("llama3_json", ' <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
      '{"name": "get_time", "arguments": {}}', ParsedOutput(None, [WEATHER, CLOCK])),
@@ -38,6 +45,11 @@ CONTENT = [  # no tool calls in them: answered as content, whole
     ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments not an object
     ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),  # not JSON's
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"oops"</tool_call>'),
+    ("mistral", "[TOOL_CALLS]"),
+    ("mistral", "[TOOL_CALLS]get_weather{}"),  # no [ARGS]
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}] and then'),
+    ("mistral", "See [1] and [TOOL"),
+    ("granite", '<|tool_call|>{"name": "f", "arguments": "not an object"}'),
     ("llama3_json", 'I would call {"name": "f", "parameters": {}}'),
     ("llama3_json", '{"name": "f", "parameters": {}} and more words'),
     ("llama3_json", "{}"),
@@ -90,13 +102,14 @@ def test_a_stream_sends_only_content_and_all_the_content_before_a_call(parser: s
     parsed = TOOL_CALL_PARSERS[parser].parse(text)
     content = text if parsed is None else parsed.content or ""
     assert content.startswith(text[:sent])  # nothing sent is taken back as a call
-    if parser == "hermes" and parsed is not None:
-        assert sent == len(content)  # the content before a <tool_call> streams as it comes
+    if parser in ("hermes", "mistral", "granite") and parsed is not None:
+        assert sent == len(content)  # the content before the calls' marker streams as it comes
 
 
 @pytest.mark.parametrize(("parser", "prefix"), [
-    ("hermes", "Hello <tool_"), ("llama3_json", "  "), ("llama3_json", "<|python"), ("pythonic", "<|python_st"),
+    ("hermes", "Hello <tool_"), ("mistral", "Hello [TOOL_C"), ("granite", "Hello <|tool"), ("llama3_json", "  "),
+    ("llama3_json", "<|python"), ("pythonic", "<|python_st"),
     ("pythonic", " [get_weather(")])
 def test_what_may_begin_a_tool_call_is_held(parser: str, prefix: str) -> None:
-    expected = len("Hello ") if parser == "hermes" else 0
+    expected = len("Hello ") if prefix.startswith("Hello") else 0
     assert TOOL_CALL_PARSERS[parser].content_end(prefix) == expected

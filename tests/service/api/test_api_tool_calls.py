@@ -204,8 +204,9 @@ def test_a_finished_auto_job_answers_with_the_calls_its_parser_reads_and_the_con
     assert rest["index"] == 2
 
 
-def test_only_the_hermes_parser_keeps_special_tokens(service_settings: Settings) -> None:
-    for parser, keeps in (("hermes", True), ("llama3_json", False), ("pythonic", False)):
+def test_parsers_whose_markers_are_special_tokens_keep_them(service_settings: Settings) -> None:
+    for parser, keeps in (("hermes", True), ("mistral", True), ("granite", True), ("llama3_json", False),
+                          ("pythonic", False)):
         configure(service_settings.model_copy(update={"enable_auto_tool_choice": True, "tool_call_parser": parser}))
         try:
             job = _request(tools=[WEATHER]).to_job()

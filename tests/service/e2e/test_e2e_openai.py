@@ -451,17 +451,20 @@ HERMES_CALL = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
 def test_auto_tool_choice_reads_tool_calls_out_of_the_text_streamed_or_not(
     openai_client: openai.OpenAI, model: str, text: str, content: str, calls: list[tuple[str, dict[str, object]]]
 ) -> None:
-    request = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], max_tokens=64, seed=8,
+    request = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], max_tokens=64, seed=8, n=2,
                    tools=[CITY_TOOL, CLOCK_TOOL], extra_body={"structured_outputs": {"choice": [text]}})
     finish = "tool_calls" if calls else "stop"
-    (whole,) = openai_client.chat.completions.create(**request).choices
-    assert whole.finish_reason == finish and whole.message.content == content
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls or []] == calls
+    whole = openai_client.chat.completions.create(**request).choices
+    assert [(c.index, c.finish_reason, c.message.content) for c in whole] == [(i, finish, content) for i in (0, 1)]
+    for choice in whole:
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == calls
     chunks = [choice for c in openai_client.chat.completions.create(**request, stream=True) for choice in c.choices]
-    # the content streams as it comes, the call arrives whole once the output is
-    assert "".join(choice.delta.content or "" for choice in chunks) == content
-    assert len([choice for choice in chunks if choice.delta.content]) > (1 if calls else 2)
-    streamed = [call for choice in chunks for call in choice.delta.tool_calls or []]
-    assert [(c.function.name, c.function.arguments) for c in streamed] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
-    assert chunks[-1].finish_reason == finish
+    for index in (0, 1):  # each completion's text is held and released on its own
+        mine = [choice for choice in chunks if choice.index == index]
+        # the content streams as it comes, the call arrives whole once the output is
+        assert "".join(choice.delta.content or "" for choice in mine) == content
+        assert len([choice for choice in mine if choice.delta.content]) > (1 if calls else 2)
+        streamed = [call for choice in mine for call in choice.delta.tool_calls or []]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in whole[index].message.tool_calls or []]
+        assert [choice.finish_reason for choice in mine if choice.finish_reason] == [finish]
