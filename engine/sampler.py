@@ -35,6 +35,38 @@ class SamplingRow:
     prompt_len: int
     suppressed_token_ids: list[int]
     grammar: GrammarState | None = None  # structured outputs: only the tokens it allows next may be drawn
+    edits: LogitEdits | None = None  # its request's logit_bias / allowed_token_ids as tensors (made here if None)
+
+    def logit_edits(self, device: torch.device) -> LogitEdits | None:
+        """The request's logit edits on ``device`` (made and kept on first use), or None when it asks for none."""
+        if self.params.logit_bias is None and self.params.allowed_token_ids is None:
+            return None
+        if self.edits is None or self.edits.device != device:
+            self.edits = logit_edits(self.params, device)
+        return self.edits
+
+
+@dataclass(frozen=True, slots=True)
+class LogitEdits:
+    """A request's logit_bias and allowed_token_ids as tensors on one device, made once per request rather than from
+    Python lists at every step (an allowed list may hold thousands of ids)."""
+
+    device: torch.device
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    allowed_ids: torch.Tensor | None
+
+
+def logit_edits(params: SamplingParams, device: torch.device) -> LogitEdits:
+    """``params``' logit_bias and allowed_token_ids as tensors on ``device``."""
+    bias = params.logit_bias or {}
+    return LogitEdits(
+        device,
+        torch.tensor(list(bias), dtype=torch.long, device=device) if bias else None,
+        torch.tensor(list(bias.values()), dtype=torch.float32, device=device) if bias else None,
+        None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids, dtype=torch.long,
+                                                                   device=device),
+    )
 
 
 @dataclass(slots=True)
@@ -59,16 +91,13 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def apply_bias_and_allowed(logits: torch.Tensor, params: SamplingParams) -> None:
+def apply_bias_and_allowed(logits: torch.Tensor, edits: LogitEdits) -> None:
     """vLLM's logit_bias (added to the tokens' logits) and allowed_token_ids (every other token masked)."""
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
-        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
-                                               device=logits.device))
-    if params.allowed_token_ids is not None:
-        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
-        kept = logits[ids]
-        logits.fill_(NEG_INF).index_copy_(0, ids, kept)
+    if edits.bias_ids is not None and edits.bias_values is not None:
+        logits.index_add_(0, edits.bias_ids, edits.bias_values.to(logits.dtype))
+    if edits.allowed_ids is not None:
+        kept = logits[edits.allowed_ids]
+        logits.fill_(NEG_INF).index_copy_(0, edits.allowed_ids, kept)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -221,8 +250,9 @@ def _fallback_inside_allowed(logits: torch.Tensor, tokens: torch.Tensor, broken:
     """A row that limits its tokens (allowed_token_ids) but had every one masked (by min_tokens, a grammar) takes the
     likeliest allowed token of the raw logits, not the arg-max of nothing (token 0). On the device: no read-back."""
     for i, row in enumerate(rows):
-        if row.params.allowed_token_ids is not None:
-            ids = torch.tensor(row.params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        edits = row.logit_edits(logits.device)
+        if edits is not None and edits.allowed_ids is not None:
+            ids = edits.allowed_ids
             raw = torch.nan_to_num(logits[i, ids].float(), nan=NEG_INF, posinf=FP32.max)
             tokens[i] = torch.where(broken[i], ids[raw.argmax()], tokens[i])
     return tokens
@@ -237,7 +267,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         row = rows[i]
         if row.params.has_penalties:
             apply_penalties(work[i], row)
-        apply_bias_and_allowed(work[i], row.params)
+        edits = row.logit_edits(work.device)
+        if edits is not None:
+            apply_bias_and_allowed(work[i], edits)
         if row.suppressed_token_ids:
             work[i, row.suppressed_token_ids] = NEG_INF
     _apply_grammars(work, rows)

@@ -13,6 +13,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.sampler import LogitEdits
     from engine.structured_output import GrammarState
 
 _seq_ids = itertools.count()
@@ -116,6 +117,7 @@ class SequenceGroup:
     # next-token logits of beams that finished recomputing before their siblings did
     pending_beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    logit_edits: LogitEdits | None = None  # its logit_bias / allowed_token_ids as tensors, made by the sampler once
     # with params.prompt_logprobs: position i's entry holds token i's logprob given the tokens before it (the first
     # token has none); filled in prompt order as prefill chunks compute them, never twice (recompute skips them)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])

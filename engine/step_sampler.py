@@ -37,12 +37,16 @@ class StepSampler:
     def __init__(self, eos_token_ids: set[int]) -> None:
         self.eos_token_ids = eos_token_ids
 
-    def _row(self, group: SequenceGroup, seq: Sequence, generator: torch.Generator | None) -> SamplingRow:
+    def _row(self, group: SequenceGroup, seq: Sequence, generator: torch.Generator | None,
+             device: torch.device) -> SamplingRow:
         params = group.params
         suppressed: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
             suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-        return SamplingRow(params, generator or group.generator, seq.token_ids, seq.prompt_len, suppressed, seq.grammar)
+        row = SamplingRow(params, generator or group.generator, seq.token_ids, seq.prompt_len, suppressed, seq.grammar,
+                          group.logit_edits)
+        group.logit_edits = row.logit_edits(device)  # made at the request's first step, then kept
+        return row
 
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> SamplerOutput:
         """``logits`` holds one row per ``sampled`` sequence, in order."""
@@ -59,7 +63,7 @@ class StepSampler:
             forks = [group.sample_generator(k) for k in range(1, group.params.n)] if group.awaits_fork else []
             out.samples.append(SampledSeq(group, seq, forks))
             for generator in [seq.generator, *forks]:
-                rows.append(self._row(group, seq, generator))
+                rows.append(self._row(group, seq, generator, logits.device))
                 row_of_logits.append(i)
         for group, group_rows in beam_rows.items():
             advance = advance_beams(group, group_rows, self.eos_token_ids)

@@ -100,6 +100,19 @@ def test_allowed_token_ids_limit_every_draw(llm: LLM) -> None:
     assert drawn <= {first, third, 17} and len(drawn) > 1
 
 
+def test_a_requests_bias_and_allowed_tokens_become_tensors_once(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=5, ignore_eos=True, allowed_token_ids=[5, 6], logit_bias={"5": 1.0})
+    engine.add_request("edits-once", PROMPT, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if (group := engine.output_processor.groups.get("edits-once")) is not None:
+            seen.append(group.logit_edits)
+    assert len(seen) >= 3 and all(edits is seen[0] for edits in seen)
+    assert seen[0].allowed_ids.tolist() == [5, 6] and seen[0].bias_ids.tolist() == [5]
+
+
 def test_a_row_with_every_allowed_token_masked_still_draws_an_allowed_one(llm: LLM) -> None:
     (eos,) = llm.engine.eos_token_ids  # min_tokens masks the only allowed token: nothing is left to draw from
     for temperature in (0.0, 1.0):
