@@ -461,8 +461,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def _template_options(self) -> ChatTemplateOptions:
         try:
-            return ChatTemplateOptions(self.add_generation_prompt, self.continue_final_message,
-                                       self.chat_template_kwargs or {})
+            return ChatTemplateOptions.of(self)
         except PromptFieldError as exc:
             raise ApiError(400, str(exc), exc.field) from exc
 

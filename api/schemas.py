@@ -258,8 +258,7 @@ class JobCreate(SamplingParamsIn):
 
     def chat_template_options(self) -> ChatTemplateOptions:
         """How the chat template renders this job's messages."""
-        return ChatTemplateOptions(self.add_generation_prompt, self.continue_final_message,
-                                   self.chat_template_kwargs or {})
+        return ChatTemplateOptions.of(self)
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The tool definitions as the chat template reads them (unset fields left out)."""

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -33,6 +33,14 @@ class TokenIdError(ValueError):
     """A token id outside the model's vocabulary (the engine would index past its embeddings)."""
 
 
+class ChatTemplateRequest(Protocol):
+    """A request that carries vLLM's chat template fields."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: dict[str, Any] | None
+
+
 @dataclass(frozen=True, slots=True)
 class ChatTemplateOptions:
     """How chat messages are rendered, as vLLM's chat requests ask: a generation prompt after them (or the final
@@ -41,6 +49,11 @@ class ChatTemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, request: ChatTemplateRequest) -> ChatTemplateOptions:
+        """The options a request's fields of the same names (vLLM's) ask for."""
+        return cls(request.add_generation_prompt, request.continue_final_message, request.chat_template_kwargs or {})
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:

@@ -246,11 +246,12 @@ def _apply_grammars(work: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _fallback_inside_allowed(logits: torch.Tensor, tokens: torch.Tensor, broken: torch.Tensor,
-                             rows: list[SamplingRow]) -> torch.Tensor:
+                             rows: list[SamplingRow], edited: list[int]) -> torch.Tensor:
     """A row that limits its tokens (allowed_token_ids) but had every one masked (by min_tokens, a grammar) takes the
-    likeliest allowed token of the raw logits, not the arg-max of nothing (token 0). On the device: no read-back."""
-    for i, row in enumerate(rows):
-        edits = row.logit_edits(logits.device)
+    likeliest allowed token of the raw logits, not the arg-max of nothing (token 0). On the device: no read-back.
+    Only ``edited`` rows can limit their tokens."""
+    for i in edited:
+        edits = rows[i].logit_edits(logits.device)
         if edits is not None and edits.allowed_ids is not None:
             ids = edits.allowed_ids
             raw = torch.nan_to_num(logits[i, ids].float(), nan=NEG_INF, posinf=FP32.max)
@@ -285,6 +286,6 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
                                            row_max if every_row else row_max[index], [rows[i] for i in randomized])
         fallback = tokens.index_select(0, index)
         tokens = tokens.index_copy(0, index, torch.where(degenerate | broken[index], fallback, drawn))
-    tokens = _fallback_inside_allowed(logits, tokens, broken, rows)
+    tokens = _fallback_inside_allowed(logits, tokens, broken, rows, edited)
     token_ids = tokens.tolist()  # the step's one read-back of sampled tokens
     return [SampleResult(token, entry) for token, entry in zip(token_ids, _logprobs(logits, token_ids, rows))]

@@ -73,9 +73,7 @@ def tokenize(body: TokenizeRequest, key: CurrentKey) -> TokenizeResponse:
         text = body.prompt or ""
     else:
         try:
-            options = ChatTemplateOptions(body.add_generation_prompt, body.continue_final_message,
-                                          body.chat_template_kwargs or {})
-            text = model.render_chat([m.as_job_message() for m in body.messages], options=options)
+            text = model.render_chat([m.as_job_message() for m in body.messages], options=ChatTemplateOptions.of(body))
         except PromptFieldError as exc:
             raise ApiError(400, str(exc), exc.field) from exc
     encoding = model.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
