@@ -21,17 +21,18 @@ API_ONLY = frozenset({
     "host", "port", "chat_template", "served_model_name", "max_body_bytes", "max_file_bytes", "max_batch_lines",
     "max_files_per_key", "max_file_storage_bytes_per_key", "openai_timeout_s", "rate_limit_per_s",
     "max_inflight_jobs_per_key", "readyz_require_worker", "batch_priority", "enable_auto_tool_choice",
-    "tool_call_parser",
+    "tool_call_parser", "api_key",
 })
 WORKER_ONLY = frozenset({
     "cache_dir", "metrics_port", "metrics_host", "dtype", "kv_cache_memory", "swap_space", "max_num_seqs",
     "block_size", "preemption_mode", "attention_backend", "num_threads", "cpu_weight_packing", "quantization",
-    "enforce_eager", "cuda_graph_max_batch",
+    "enforce_eager", "cuda_graph_max_batch", "tensor_parallel_size",
     "gpu_memory_utilization", "max_num_batched_tokens", "enable_prefix_caching", "seed", "webhook_max_attempts",
     "webhook_backoff_s", "webhook_timeout_s", "reaper_interval_s", "reconcile_grace_s", "engine_stall_timeout_s",
     "shutdown_grace_s",
 })
 _METAVARS: dict[Any, str] = {int: "INT", float: "FLOAT", str: "TEXT", Path: "PATH", ByteSize: "BYTES"}
+_LIST_METAVARS = {"api_key": "KEY"}  # what one item of a list setting is (default: NAME)
 
 
 def command_settings(command: str) -> list[str]:
@@ -57,7 +58,7 @@ def _value_type(annotation: Any) -> Any:
     return annotation
 
 
-def _flag_options(field: FieldInfo) -> dict[str, Any]:
+def _flag_options(name: str, field: FieldInfo) -> dict[str, Any]:
     """argparse options showing a setting's type, choices and default; the default stays None (env applies)."""
     value_type = _value_type(field.annotation)
     default = field.default if isinstance(field.default, (bool, int, float, str, Path)) else None
@@ -72,7 +73,7 @@ def _flag_options(field: FieldInfo) -> dict[str, Any]:
     if get_origin(value_type) is Literal:
         return {**options, "choices": get_args(value_type)}
     if get_origin(value_type) is list:
-        return {**options, "nargs": "+", "metavar": "NAME"}
+        return {**options, "nargs": "+", "metavar": _LIST_METAVARS.get(name, "NAME")}
     if value_type in (int, float):
         options["type"] = value_type
     return {**options, "metavar": _METAVARS.get(value_type, "VALUE")}
@@ -82,7 +83,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> Non
     """Add the named settings to a command as --flags."""
     group = parser.add_argument_group("settings (each also PAGEDSERVE_<NAME>)")
     for name in names:
-        group.add_argument(flag_name(name), dest=f"setting_{name}", **_flag_options(Settings.model_fields[name]))
+        group.add_argument(flag_name(name), dest=f"setting_{name}", **_flag_options(name, Settings.model_fields[name]))
 
 
 def flag_errors(exc: ValidationError) -> str:

@@ -8,7 +8,7 @@ import sys
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.auth import TOKEN_PREFIX, create_api_key, revoke_api_key, rotate_api_key
+from api.auth import TOKEN_PREFIX, create_api_key, is_chosen_key, revoke_api_key, rotate_api_key
 from core.db import session_factory
 from core.models import ApiKey
 from core.settings import Settings
@@ -36,7 +36,8 @@ def cmd_list_keys(_settings: Settings, _args: argparse.Namespace) -> None:
         keys = session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)).all()
     for key in keys:
         revoked = f"{key.revoked_at:%Y-%m-%dT%H:%M:%SZ}" if key.revoked_at else "-"
-        print(f"{key.id}\t{TOKEN_PREFIX}_{key.lookup}_...\t{key.created_at:%Y-%m-%dT%H:%M:%SZ}\t{revoked}\t{key.name}")
+        token = "(--api-key)" if is_chosen_key(key) else f"{TOKEN_PREFIX}_{key.lookup}_..."
+        print(f"{key.id}\t{token}\t{key.created_at:%Y-%m-%dT%H:%M:%SZ}\t{revoked}\t{key.name}")
 
 
 def cmd_revoke_key(_settings: Settings, args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cli.flags import add_settings_flags, command_settings, flag_errors
+from cli.flags import SERVER_COMMANDS, add_settings_flags, command_settings, flag_errors
 from core.settings import Settings, configure
 
 DEV_KEY_FILE = "dev-api-key"
@@ -26,6 +26,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by any --flags given."""
     given = {k: v for k, v in vars(args).items() if k.startswith("setting_") and v is not None}
     overrides = {k.removeprefix("setting_"): v for k, v in given.items()}
+    model_tag = getattr(args, "model_tag", None)  # `pagedserve up MODEL`, as `vllm serve MODEL`
+    if model_tag is not None:
+        if overrides.get("model", model_tag) != model_tag:
+            raise ValueError(f"the model is given twice: {model_tag!r} and --model {overrides['model']!r}")
+        overrides["model"] = model_tag
     settings = Settings(**overrides)
     configure(settings)
     return settings
@@ -137,11 +142,13 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
         if not redis_reachable(settings.redis_url):
             children.append(start_redis(settings.redis_url, settings.resolved_data_dir() / "redis"))
         migrate.upgrade(settings.resolved_database_url())
-        token = dev_api_key(settings)
+        # with --api-key the server takes the operator's tokens (as vLLM's), so no development key is made
+        key_line = "API keys: those given with --api-key" if settings.api_key else \
+            f"development API key: {dev_api_key(settings)}"
         env = settings_env(settings)
         children += [subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env) for role in ("worker", "api")]
         url = f"http://{settings.host}:{settings.port}"
-        print(f"pagedserve is up: {url}  (docs: {url}/docs)\ndevelopment API key: {token}", flush=True)
+        print(f"pagedserve is up: {url}  (docs: {url}/docs)\n{key_line}", flush=True)
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
         raise SystemExit("a pagedserve process exited; stopping the others")
@@ -171,6 +178,9 @@ def _parser() -> argparse.ArgumentParser:
     commands.choices["migrate"].add_argument("--revision", default="head")
     add_key_commands(commands)
     add_client_commands(commands)
+    for name in SERVER_COMMANDS:
+        commands.choices[name].add_argument(
+            "model_tag", nargs="?", metavar="MODEL", help="the model to serve, as `vllm serve MODEL` (same as --model)")
     for sub in _all_subparsers(commands):
         add_settings_flags(sub, command_settings(sub.prog.split()[1]))
     return parser
@@ -192,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from(args)
     except ValidationError as exc:
         parser.error(flag_errors(exc))
+    except ValueError as exc:
+        parser.error(str(exc))
     from core.logging import configure_logging
 
     configure_logging(settings.log_format)

@@ -68,6 +68,12 @@ class Settings(BaseSettings):
         None, description="the model's tool-call format: hermes (<tool_call> JSON blocks: Hermes, Qwen, SmolLM2), "
         "mistral ([TOOL_CALLS]), granite (<|tool_call|>), llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 and 4: "
         "[f(x=1)])")
+    api_key: Annotated[list[str] | None, NoDecode] = Field(
+        None, min_length=1, description="bearer tokens the API accepts besides the stored keys, as vLLM's --api-key "
+        "(each is a key of its own: its jobs are its own); the environment gives one token, or a JSON list")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=1, description="devices one worker's model spans (vLLM's flag): pagedserve runs one per worker; "
+        "start more workers to serve more")
     served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
@@ -133,6 +139,22 @@ class Settings(BaseSettings):
             return json.loads(value) if value.lstrip().startswith("[") else [n.strip() for n in value.split(",")]
         return value
 
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _tokens_from_text(cls, value: Any) -> Any:
+        # one token as vLLM's VLLM_API_KEY, or the JSON list `up` hands its children; commas may be in a token
+        if isinstance(value, str):
+            return json.loads(value) if value.startswith("[") else [value]
+        return value
+
+    @field_validator("api_key", mode="after")
+    @classmethod
+    def _tokens_are_sendable(cls, value: list[str] | None) -> list[str] | None:
+        for token in value or []:
+            if not token or token != token.strip() or not token.isprintable():
+                raise ValueError(f"an API key must be printable text without surrounding spaces, got {token!r}")
+        return value
+
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_is_local(cls, value: Path | None) -> Path | None:
@@ -167,8 +189,8 @@ def _is_number(text: str) -> bool:
 
 _override: Settings | None = None
 logger = logging.getLogger("pagedserve.settings")
-# PAGEDSERVE_ variables read outside Settings: the CLI's API key, the kernels' backend override
-_READ_ELSEWHERE = frozenset({"PAGEDSERVE_API_KEY", "PAGEDSERVE_ATTENTION_BACKEND"})
+# PAGEDSERVE_ variables read outside Settings: the kernels' backend override
+_READ_ELSEWHERE = frozenset({"PAGEDSERVE_ATTENTION_BACKEND"})
 
 
 def unknown_environment_names() -> list[str]:

@@ -208,7 +208,6 @@ def test_an_unknown_pagedserve_variable_is_named_in_a_warning(
 ) -> None:
     monkeypatch.setenv("PAGEDSERVE_WEBHOOK_SECRET", "removed-setting")  # per-key secrets replaced it
     monkeypatch.setenv("PAGEDSERVE_MAX_NUM_SEQ", "8")  # misspelt max_num_seqs
-    monkeypatch.setenv("PAGEDSERVE_API_KEY", "read by the CLI, not by Settings")
     configure(None)
     with caplog.at_level("WARNING", logger="pagedserve.settings"):
         get_settings()
@@ -216,3 +215,29 @@ def test_an_unknown_pagedserve_variable_is_named_in_a_warning(
     assert [r.getMessage() for r in caplog.records] == [
         "settings.unknown_environment names=PAGEDSERVE_MAX_NUM_SEQ,PAGEDSERVE_WEBHOOK_SECRET: not read by any setting"
     ]
+
+
+def test_the_model_may_be_given_first_as_in_vllm_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _settings("up", "my-model", "--port", "9").model == "my-model"
+    assert _settings("worker", "my-model", "--model", "my-model").model == "my-model"
+    assert _settings("api").model == Settings().model
+    assert "the model is given twice: 'a' and --model 'b'" in _refused(capsys, "up", "a", "--model", "b")
+
+
+def test_tensor_parallel_size_takes_one_device_per_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _settings("worker", "--tensor-parallel-size", "1").tensor_parallel_size == 1
+    assert "--tensor-parallel-size (PAGEDSERVE_TENSOR_PARALLEL_SIZE)" in _refused(
+        capsys, "worker", "--tensor-parallel-size", "2")
+
+
+def test_api_keys_come_from_the_flag_or_one_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _settings("api", "--api-key", "k1", "k2").api_key == ["k1", "k2"]
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "one token, with a comma")  # as vLLM's VLLM_API_KEY: one token
+    assert Settings().api_key == ["one token, with a comma"]
+    child = cli.settings_env(_settings("up", "--api-key", "k1", "[k2"))
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", child["PAGEDSERVE_API_KEY"])
+    assert Settings().api_key == ["k1", "[k2"]
+    assert "--api-key (PAGEDSERVE_API_KEY)" in _refused(capsys, "api", "--api-key", " padded")
+    assert "--api-key" not in _help(capsys, "worker")
