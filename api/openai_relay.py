@@ -20,6 +20,7 @@ from core.db import session_factory
 from core.models import ApiKey, Job
 from core.openai_responses import (
     CHAT_COMPLETIONS,
+    arguments_delta,
     choice_index,
     chunk,
     delta_choice,
@@ -29,6 +30,7 @@ from core.openai_responses import (
     error_object,
     final_choices,
     job_failure,
+    streamed_call_name,
     streamed_content_filter,
     tool_call_deltas,
     total_usage,
@@ -109,6 +111,7 @@ class _JobRelay:
         self.ok = True  # False once the job's stream ended with an error chunk
         # a chat output that may become tool calls streams only what is surely content; the rest comes at the end
         self.content_filter = streamed_content_filter(job) if endpoint == CHAT_COMPLETIONS else None
+        self.named_call = self.content_filter is not None and streamed_call_name(job) is not None
         self.texts: dict[int, str] = {}  # per choice, with a content filter: its text so far
         self.sent: dict[int, int] = {}  # and how much of it was sent
 
@@ -122,9 +125,12 @@ class _JobRelay:
         self.ok = False
         return _data({"error": error_object(status_code, message, None)})
 
-    def _token_choice(self, delta: dict[str, Any]) -> dict[str, Any]:
-        """The chunk choice of a token delta, with its tokens' logprobs where the request asked for them."""
+    def _token_choice(self, delta: dict[str, Any], first: bool) -> dict[str, Any]:
+        """The chunk choice of a token delta (the `first` text of its choice to be sent), with its tokens' logprobs
+        where the request asked for them."""
         choice = delta_choice(self.endpoint, choice_index(self.job, self.prompt_index, delta["index"]), delta["text"])
+        if self.named_call and delta["text"]:  # the output is the arguments of the call the request named
+            choice["delta"] = arguments_delta(self.job, delta["index"], delta["text"], first)
         if self.num_top_logprobs is not None and delta.get("logprobs"):
             offset = self.text_offsets.get(delta["index"], 0)
             logprobs = delta_logprobs(self.endpoint, delta, self.num_top_logprobs, offset)
@@ -174,10 +180,11 @@ class _JobRelay:
                         yield self._echo_chunk(prompt, event.delta)
                         scored_echo = False
                     self.completion_tokens += len(event.delta["token_ids"])
+                    first = not self.sent.get(event.delta["index"])
                     delta = self._content_delta(event.delta)
                     if not delta["text"] and not delta.get("logprobs"):
                         continue  # held for tool calls, or a token that ends mid-character adds no text yet
-                    yield self._chunk([self._token_choice(delta)])
+                    yield self._chunk([self._token_choice(delta, first)])
                 elif isinstance(event, RestartEvent):
                     # streamed text cannot be taken back: end this stream, the job itself runs on
                     yield self._error(503, f"job {self.job.id} restarted after a worker failure; "

@@ -12,7 +12,7 @@ from core.job_payload import REFUSED
 from core.models import Job, JobStatus
 from core.prompts import configured_prompt_model
 from core.settings import get_settings
-from core.tool_calls import streamable_content, tool_calls
+from core.tool_calls import NAMED_PREFIX, streamable_content, tool_calls
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -163,13 +163,35 @@ def _tool_mode(job: Job) -> str | None:
     return str(mode) if mode else None
 
 
+def _call_id_prefix(job: Job, index: int) -> str:
+    """What the ids of the tool calls of a job's choice `index` begin with (then the call's position)."""
+    return f"call_{job.id}_{index}_"
+
+
 def _tool_calls(job: Job, choice: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]]] | None:
     """(content, tool calls) of a chat choice whose request asked for tool calls (forced, or "auto" read by a
     parser); None without them, or when max_tokens cut the output off (the text is then answered as content)."""
     mode = _tool_mode(job)
     if mode is None or choice.get("finish_reason") == "length":
         return None
-    return tool_calls(mode, choice["text"], f"call_{job.id}_{choice['index']}_")
+    return tool_calls(mode, choice["text"], _call_id_prefix(job, choice["index"]))
+
+
+def streamed_call_name(job: Job) -> str | None:
+    """The function a chat job's output is the arguments of, when its tool_choice names one: a stream sends that
+    output as the call's arguments as it comes, as vLLM does; None for other jobs."""
+    mode = _tool_mode(job)
+    return mode.removeprefix(NAMED_PREFIX) if mode is not None and mode.startswith(NAMED_PREFIX) else None
+
+
+def arguments_delta(job: Job, index: int, text: str, first: bool) -> dict[str, Any]:
+    """The chat delta carrying `text` as more arguments of a named call (see `streamed_call_name`) of the job's
+    choice `index`: the first one opens the call with its id, type and name."""
+    call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+    if first:
+        call = {"index": 0, "id": f"{_call_id_prefix(job, index)}0", "type": "function",
+                "function": {"name": streamed_call_name(job), "arguments": text}}
+    return {"tool_calls": [call]}
 
 
 def _chat_finish_reason(job: Job, choice: dict[str, Any]) -> str:
@@ -197,18 +219,27 @@ def chat_body(job: Job, model: str) -> dict[str, Any]:
 
 
 def streamed_content_filter(job: Job) -> Callable[[str], int] | None:
-    """For a chat job whose output may become tool calls: how much of a choice's text so far a stream may send as
-    content (the rest is held, and sent by `tool_call_deltas` once the job is done); None for other jobs."""
+    """For a chat job whose output may become tool calls: how much of a choice's text so far a stream may send (the
+    rest is held, and sent by `tool_call_deltas` once the job is done): content up to where a call may begin, or all
+    of a named call's arguments; None for other jobs."""
     mode = _tool_mode(job)
-    return None if mode is None else lambda text: streamable_content(mode, text)
+    if mode is None:
+        return None
+    return len if streamed_call_name(job) is not None else lambda text: streamable_content(mode, text)
 
 
 def tool_call_deltas(job: Job, prompt_index: int, streamed: dict[int, int]) -> list[dict[str, Any]]:
     """The chunk choices that close a finished tool-call job's stream: the content not yet sent (all the text held,
     where the output holds no calls) and the calls; `streamed` tells how many characters of each choice's text were
-    sent as content (fewer than the content when token events were lost)."""
+    sent, as content or as a named call's arguments (fewer than all when token events were lost)."""
     deltas = []
+    named = streamed_call_name(job) is not None
     for c in job.output or []:
+        if named and streamed.get(c["index"]):  # the call was opened: only the arguments not yet sent are left
+            if rest := c["text"][streamed[c["index"]]:]:
+                deltas.append({"index": choice_index(job, prompt_index, c["index"]),
+                               "delta": arguments_delta(job, c["index"], rest, first=False), "finish_reason": None})
+            continue
         parsed = _tool_calls(job, c)
         rest = (c["text"] if parsed is None else parsed[0] or "")[streamed.get(c["index"], 0):]
         delta: dict[str, Any] = {"content": rest} if rest else {}

@@ -19,7 +19,14 @@ from pydantic import ValidationError
 from api.openai_schemas import ChatCompletionRequest
 from api.prompts import prompt_model
 from core.models import Job, JobStatus
-from core.openai_responses import chat_body, final_choices, tool_call_deltas
+from core.openai_responses import (
+    arguments_delta,
+    chat_body,
+    final_choices,
+    streamed_call_name,
+    streamed_content_filter,
+    tool_call_deltas,
+)
 from core.settings import Settings, configure
 from core.tool_calls import AUTO_PREFIX, NAMED_PREFIX, REQUIRED, call_schema, tool_calls
 from core.tool_parsers import TOOL_CALL_PARSERS
@@ -133,6 +140,23 @@ def test_a_finished_job_answers_with_its_tool_calls_and_a_cut_off_one_with_its_t
     assert deltas[0]["delta"]["tool_calls"][1]["function"]["name"] == "get_time"
     assert deltas[1]["delta"] == {"content": '[{"name": "get_wea'}
     assert [c["finish_reason"] for c in final_choices(job, "/v1/chat/completions")] == ["tool_calls", "length"]
+
+
+def test_a_named_calls_stream_closes_with_the_arguments_not_yet_sent() -> None:
+    job = _job(NAMED_PREFIX + "get_weather", [('{"city": "Rome"}', "stop"), ('{"city": "Ro', "length"),
+                                               ('{"city": "Oslo"}', "stop")])
+    content_filter = streamed_content_filter(job)  # all of the text is sent as it comes, as arguments
+    assert streamed_call_name(job) == "get_weather" and content_filter is not None and content_filter('{"ci') == 4
+    opening = arguments_delta(job, 2, '{"ci', first=True)["tool_calls"][0]
+    assert opening == {"index": 0, "id": chat_body(job, "m")["choices"][2]["message"]["tool_calls"][0]["id"],
+                       "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}}
+    # choice 0 was sent whole, 1 (cut off by max_tokens) in part, 2 not at all (its token events were lost)
+    rest, whole = tool_call_deltas(job, 0, {0: len('{"city": "Rome"}'), 1: 3, 2: 0})
+    assert rest == {"index": 1, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'ity": "Ro'}}]},
+                    "finish_reason": None}
+    assert whole["index"] == 2 and whole["delta"]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert streamed_call_name(_job(REQUIRED, [("[]", "stop")])) is None
 
 
 def test_a_named_call_takes_the_whole_text_as_its_arguments() -> None:

@@ -425,7 +425,7 @@ def test_tool_choice_required_calls_one_of_the_tools(openai_client: openai.OpenA
         jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name])
 
 
-def test_a_streamed_tool_call_arrives_whole_in_tool_call_deltas(openai_client: openai.OpenAI, model: str) -> None:
+def test_a_named_calls_arguments_stream_as_they_come(openai_client: openai.OpenAI, model: str) -> None:
     request = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], max_tokens=32, seed=6,
                    temperature=1.0, tools=[CITY_TOOL],
                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -434,10 +434,17 @@ def test_a_streamed_tool_call_arrives_whole_in_tool_call_deltas(openai_client: o
     calls = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or []]
     assert not any(choice.delta.content for c in chunks for choice in c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-    (streamed,) = calls
     (expected,) = whole.choices[0].message.tool_calls or []
-    assert (streamed.function.name, streamed.function.arguments) == (expected.function.name,
-                                                                     expected.function.arguments)
+    # as vLLM: the first piece opens the call (id, type, name), the others add to its arguments
+    opening, *more = calls
+    assert opening.id and (opening.type, opening.function.name) == ("function", "get_weather")
+    assert len(more) > 2 and all((c.index, c.id, c.type, c.function.name) == (0, None, None, None) for c in more)
+    assert "".join(c.function.arguments or "" for c in calls) == expected.function.arguments
+    # the openai client's own stream helper puts the pieces together into the same call
+    with openai_client.chat.completions.stream(**request) as stream:
+        (assembled,) = stream.get_final_completion().choices[0].message.tool_calls or []
+    assert (assembled.function.name, assembled.function.arguments) == (expected.function.name,
+                                                                       expected.function.arguments)
 
 
 # the choice makes the random model write a hermes tool call (and a plain answer) as a tool-using model would
