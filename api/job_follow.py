@@ -52,28 +52,85 @@ def load_job(job_id: str) -> Job:
         return job
 
 
-def _replayed_tokens(job: Job) -> list[TokenEvent]:
-    # The event stream expired (or Redis lost it): the stored output stands in for its tokens.
-    return [
-        TokenEvent({"index": c["index"], "text": c["text"], "token_ids": c["token_ids"]}
-                   | ({"logprobs": c["logprobs"]} if c.get("logprobs") is not None else {}))
-        for c in job.output or []
-    ]
+class _Received:
+    """What a follower has yielded of each completion's text and tokens, so that a delta published twice (a retry
+    after Redis failed to answer) yields only its new part, and the end makes up what never arrived."""
+
+    def __init__(self, from_start: bool) -> None:
+        self.from_start = from_start  # following from the first entry: a completion with no delta yet has nothing
+        self.ends: dict[int, tuple[int, int]] = {}  # completion index: (characters, tokens) yielded
+
+    def new_part(self, delta: dict[str, Any]) -> dict[str, Any] | None:
+        """The delta less what was yielded already; None when nothing is left."""
+        index, text, token_ids = delta["index"], delta["text"], delta["token_ids"]
+        known = self.ends.get(index, (0, 0) if self.from_start else None)
+        # a delta without offsets (from an older worker) follows what came before it
+        text_at = delta.get("text_offset", known[0] if known else 0)
+        token_at = delta.get("token_offset", known[1] if known else 0)
+        have_text, have_tokens = known or (text_at, token_at)
+        skip_text, skip_tokens = max(0, have_text - text_at), max(0, have_tokens - token_at)
+        self.ends[index] = (max(have_text, text_at + len(text)), max(have_tokens, token_at + len(token_ids)))
+        if skip_text == skip_tokens == 0:
+            return delta
+        if skip_text >= len(text) and skip_tokens >= len(token_ids):
+            return None
+        part = {**delta, "text": text[skip_text:], "token_ids": token_ids[skip_tokens:],
+                "text_offset": text_at + skip_text, "token_offset": token_at + skip_tokens}
+        if "logprobs" in delta:
+            part["logprobs"] = delta["logprobs"][skip_tokens:]
+        return part
+
+    def missing(self, job: Job) -> list[TokenEvent]:
+        """The end of each completion that no delta brought (Redis lost it, or the stream expired), from the stored
+        output; all of it for a completion never heard of when following from the start."""
+        events = []
+        for c in job.output or []:
+            if c["index"] not in self.ends and not self.from_start:
+                continue
+            text_at, token_at = self.ends.get(c["index"], (0, 0))
+            if len(c["text"]) <= text_at and len(c["token_ids"]) <= token_at:
+                continue
+            delta = {"index": c["index"], "text": c["text"][text_at:], "token_ids": c["token_ids"][token_at:],
+                     "text_offset": text_at, "token_offset": token_at}
+            if c.get("logprobs") is not None:
+                delta["logprobs"] = c["logprobs"][token_at:]
+            events.append(TokenEvent(delta))
+        return events
+
+
+async def _received_before(client: Any, stream_key: str, last_id: str) -> _Received:
+    """What a follower resuming after `last_id` had received: the token entries up to it, since the last restart
+    (all of it past the final entry; nothing known when the stream is gone)."""
+    if last_id == "0-0":
+        return _Received(from_start=True)
+    entries = await client.xrange(stream_key, "-", last_id)
+    received = _Received(from_start=bool(entries))
+    for _, fields in entries:
+        if fields["type"] == "restart":
+            received = _Received(from_start=True)
+        elif fields["type"] == "token":
+            received.new_part(json.loads(fields["data"]))
+        else:  # past the final entry: the follower had it all, what was made up before it too
+            received = _Received(from_start=False)
+    return received
 
 
 async def follow_job(
     job_id: str, last_id: str = "0-0"
 ) -> AsyncIterator[TokenEvent | RestartEvent | FinalEvent | None]:
-    """Yield a job's events after `last_id`, and None after each idle second (a chance to send a keep-alive)."""
+    """Yield a job's events after `last_id`, and None after each idle second (a chance to send a keep-alive).
+    The token events, joined, are the job's output (from `last_id` on): a delta that came twice yields only its new
+    part, and what never came is made up from the stored output before the final event."""
     client = streams.async_redis_client()
     stream_key = streams.events_key(job_id)
     try:
+        received = await _received_before(client, stream_key, last_id)
         while True:
             reply = await client.xread({stream_key: last_id}, block=IDLE_CHECK_MS, count=512)
             if not reply:
                 job = await run_in_threadpool(load_job, job_id)
                 if job.status.is_final:
-                    for event in _replayed_tokens(job) if last_id == "0-0" else []:
+                    for event in received.missing(job):
                         yield event
                     yield FinalEvent(job)
                     return
@@ -82,12 +139,17 @@ async def follow_job(
             for entry_id, fields in reply[0][1]:
                 last_id = entry_id
                 if fields["type"] == "token":
-                    yield TokenEvent(json.loads(fields["data"]), entry_id)
+                    if (part := received.new_part(json.loads(fields["data"]))) is not None:
+                        yield TokenEvent(part, entry_id)
                     continue
                 if fields["type"] == "restart":
+                    received = _Received(from_start=True)
                     yield RestartEvent(json.loads(fields["data"])["attempt"], entry_id)
                     continue
-                yield FinalEvent(await run_in_threadpool(load_job, job_id), entry_id)
+                job = await run_in_threadpool(load_job, job_id)
+                for event in received.missing(job):
+                    yield event
+                yield FinalEvent(job, entry_id)
                 return
     finally:
         await client.aclose()

@@ -54,8 +54,8 @@ class StreamProgress:
     prompt_scored: bool = False
 
     def deltas(self, output: Any) -> list[dict[str, Any]]:
-        """New text and token ids (and their logprobs, when the request asked for them) since the last output, one
-        entry per completion that grew."""
+        """New text and token ids (and their logprobs, when the request asked for them) since what was streamed,
+        one entry per completion that grew; `advance` marks them streamed."""
         deltas = []
         for completion in output.outputs:
             text_seen = len(self.texts.get(completion.index, ""))
@@ -65,16 +65,22 @@ class StreamProgress:
                     "index": completion.index,
                     "text": completion.text[text_seen:],
                     "token_ids": list(completion.token_ids[tokens_seen:]),
+                    "text_offset": text_seen,  # where they begin in the completion: followers drop what they have
+                    "token_offset": tokens_seen,
                 }
                 if completion.logprobs is not None:
                     delta["logprobs"] = stored_logprobs(completion.logprobs[tokens_seen:])
                 deltas.append(delta)
-            self.texts[completion.index] = completion.text
-            self.token_counts[completion.index] = len(completion.token_ids)
         if deltas and not self.prompt_scored:  # a stream that echoes its prompt scores it before any token
             deltas[0].update(prompt_scores(output))
-            self.prompt_scored = True
         return deltas
+
+    def advance(self, output: Any) -> None:
+        """Mark everything in `output` streamed."""
+        for completion in output.outputs:
+            self.texts[completion.index] = completion.text
+            self.token_counts[completion.index] = len(completion.token_ids)
+        self.prompt_scored = self.prompt_scored or bool(output.outputs)
 
 
 class TokenPublisher:
@@ -86,15 +92,21 @@ class TokenPublisher:
     def __call__(self, outputs: list[Any]) -> None:
         """Publish the step's new tokens of every request (none of a request that failed: its job fails)."""
         deltas_by_job: dict[str, list[dict[str, Any]]] = {}
+        streamed: list[tuple[StreamProgress, Any]] = []
         for output in outputs:
             progress = self._progress.setdefault(output.request_id, StreamProgress())
             if output.finished:
                 del self._progress[output.request_id]
             if output.error is None and (deltas := progress.deltas(output)):
                 deltas_by_job[job_id_of(output.request_id)] = deltas
+                streamed.append((progress, output))
         if not deltas_by_job:
             return
         try:
             streams.publish_tokens(streams.redis_client(), deltas_by_job)
-        except redis.RedisError as exc:  # followers miss these tokens; the stored result stays whole
+        except redis.RedisError as exc:
+            # a running request's tokens go with its next step's; a finished one's reach followers with its result
             log_event(logger, "tokens.publish_failed", jobs=len(deltas_by_job), error=repr(exc))
+            return
+        for progress, output in streamed:
+            progress.advance(output)

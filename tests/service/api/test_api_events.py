@@ -94,7 +94,7 @@ def test_events_fall_back_to_the_stored_output_when_the_stream_is_gone(
     _generate(job_id, [("xy", [7, 8])])
     streams.redis_client().delete(streams.events_key(job_id))
     events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
-    assert events[0] == ("token", {"index": 0, "text": "xy", "token_ids": [7, 8]})
+    assert events[0] == ("token", {"index": 0, "text": "xy", "token_ids": [7, 8], "text_offset": 0, "token_offset": 0})
     assert events[-1][0] == "done"
 
 
@@ -107,7 +107,8 @@ def test_the_stored_output_stands_in_with_its_logprobs(client: TestClient, auth_
         transition(session, job_id, JobStatus.succeeded, {JobStatus.running}, output=output, completion_tokens=2)
     streams.redis_client().delete(streams.events_key(job_id))
     events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
-    assert events[0] == ("token", {"index": 0, "text": "xy", "token_ids": [7, 8], "logprobs": logprobs})
+    assert events[0] == ("token", {"index": 0, "text": "xy", "token_ids": [7, 8], "logprobs": logprobs,
+                                   "text_offset": 0, "token_offset": 0})
 
 
 def test_events_of_a_cancelled_queued_job_end_at_once(client: TestClient, auth_headers: dict[str, str]) -> None:
@@ -134,3 +135,40 @@ def test_a_restarted_job_streams_only_its_new_attempt_and_says_so(
     assert live_events[1][1] == {"attempt": 2}
     assert [name for name, _ in replay] == ["restart", "token", "done"]
     assert replay[1][1]["text"] == "new" and replay[-1][1]["text"] == "new"
+
+
+def _publish_at(job_id: str, text: str, ids: list[int], text_offset: int, token_offset: int) -> None:
+    delta = {"index": 0, "text": text, "token_ids": ids, "text_offset": text_offset, "token_offset": token_offset}
+    streams.publish_tokens(streams.redis_client(), {job_id: [delta]})
+
+
+def _tokens(events: list[tuple[str, dict]]) -> list[tuple[str, list[int]]]:
+    return [(data["text"], data["token_ids"]) for name, data in events if name == "token"]
+
+
+def test_a_delta_published_again_streams_only_its_new_part(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    _start(job_id)
+    _publish_at(job_id, "Hel", [1], 0, 0)
+    _publish_at(job_id, "Hello", [1, 2], 0, 0)  # a worker's retry: Redis kept the first try but did not answer
+    _publish_at(job_id, "lo!", [2, 3], 3, 1)
+    _succeed(job_id, [("Hello!", [1, 2, 3])])
+    events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
+    assert _tokens(events) == [("Hel", [1]), ("lo", [2]), ("!", [3])]
+
+
+def test_what_redis_never_got_streams_from_the_stored_output_before_the_end(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    job_id = _submit(client, auth_headers)
+    _start(job_id)
+    _publish_at(job_id, "Hel", [1], 0, 0)  # the rest was lost with the worker's last publish
+    _succeed(job_id, [("Hello!", [1, 2, 3])])
+    streams.publish_final(streams.redis_client(), job_id, "succeeded")
+    events = _parse(client.get(f"/v1/jobs/{job_id}/events", headers=auth_headers).text)
+    assert _tokens(events) == [("Hel", [1]), ("lo!", [2, 3])] and events[-1][0] == "done"
+    # a client resuming after the first token gets the rest; one resuming after the end gets nothing again
+    first, *_, final = streams.redis_client().xrange(streams.events_key(job_id))
+    for last_event_id, expected in ((first[0], [("lo!", [2, 3])]), (final[0], [])):
+        resumed = client.get(f"/v1/jobs/{job_id}/events", headers={**auth_headers, "Last-Event-ID": last_event_id})
+        assert _tokens(_parse(resumed.text)) == expected

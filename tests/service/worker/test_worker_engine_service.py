@@ -112,11 +112,15 @@ def test_token_publisher_sends_every_jobs_new_tokens_and_survives_a_redis_outage
     publish([output("job-a#1", "He", [5]), output("job-b#2", "Hi", [7])])
     publish([output("job-a#1", "Hello", [5, 6], finished=True), output("job-b#2", "Hi", [7])])
     events = {job: [json.loads(f["data"]) for _, f in redis.xrange(streams.events_key(job))] for job in jobs}
-    assert events["job-a"] == [{"index": 0, "text": "He", "token_ids": [5]},
-                               {"index": 0, "text": "llo", "token_ids": [6]}]
-    assert events["job-b"] == [{"index": 0, "text": "Hi", "token_ids": [7]}]  # nothing new in the 2nd step
-    monkeypatch.setattr(streams, "redis_client", lambda: redis_lib.Redis(port=1, socket_connect_timeout=0.2))
-    publish([output("job-b#2", "Hi!", [7, 8])])  # logged, not raised: the engine thread goes on
+    assert events["job-a"] == [{"index": 0, "text": "He", "token_ids": [5], "text_offset": 0, "token_offset": 0},
+                               {"index": 0, "text": "llo", "token_ids": [6], "text_offset": 2, "token_offset": 1}]
+    assert events["job-b"] == [{"index": 0, "text": "Hi", "token_ids": [7], "text_offset": 0, "token_offset": 0}]
+    with monkeypatch.context() as outage:
+        outage.setattr(streams, "redis_client", lambda: redis_lib.Redis(port=1, socket_connect_timeout=0.2))
+        publish([output("job-b#2", "Hi!", [7, 8])])  # logged, not raised: the engine thread goes on
+    publish([output("job-b#2", "Hi!?", [7, 8, 9])])  # Redis is back: the step the outage lost goes with this one
+    (_, retried) = [json.loads(f["data"]) for _, f in redis.xrange(streams.events_key("job-b"))]
+    assert retried == {"index": 0, "text": "!?", "token_ids": [8, 9], "text_offset": 2, "token_offset": 1}
 
 
 def test_token_publisher_sends_the_logprobs_of_the_new_tokens_where_asked_for(service_settings: Settings) -> None:
