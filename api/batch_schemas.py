@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.schemas import StorableStr
 from core.models import Batch, StoredFile
 
 
@@ -19,10 +20,10 @@ class BatchCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input_file_id: str = Field(min_length=1, max_length=64)
+    input_file_id: StorableStr = Field(min_length=1, max_length=64)
     endpoint: Literal["/v1/completions", "/v1/chat/completions"]
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[StorableStr, StorableStr] | None = Field(None, max_length=16)
 
 
 class FileObject(BaseModel):
@@ -103,8 +104,11 @@ class BatchList(BaseModel):
 
 
 class FileList(BaseModel):
-    """The caller's files."""
+    """A page of the caller's files."""
 
     object: Literal["list"] = "list"
     data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 

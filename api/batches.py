@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.batch_input import build_line, format_errors
 from api.errors import ApiError
-from api.openai_files import get_file, get_owned
+from api.openai_files import get_file, get_owned, owned_page
 from api.ratelimit import check_inflight
 from core.batch_progress import cancel_jobs, move_batch, refresh, unfinished_job_ids
 from core.lifecycle import job_created
@@ -94,10 +94,5 @@ def cancel_batch(session: Session, key: ApiKey, batch_id: str) -> Batch:
 
 def list_batches(session: Session, key: ApiKey, after: str | None, limit: int) -> tuple[list[Batch], bool]:
     """A page of the caller's batches, newest first, after the batch id `after`; and whether more follow."""
-    query = select(Batch).where(Batch.api_key_id == key.id)
-    if after:
-        anchor = get_batch(session, key, after)
-        query = query.where(or_(Batch.created_at < anchor.created_at,
-                                and_(Batch.created_at == anchor.created_at, Batch.id < anchor.id)))
-    page = list(session.scalars(query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)))
-    return [refresh(session, batch) for batch in page[:limit]], len(page) > limit
+    page, has_more = owned_page(session, key, Batch, select(Batch).where(Batch.api_key_id == key.id), after, limit)
+    return [refresh(session, batch) for batch in page], has_more

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 STORE_RETRY_AFTER_S = 5
 
@@ -26,9 +28,19 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    return ".".join(parts) or "body"
+_WHERE = ("body", "query", "path", "header")
+# what pydantic adds to a location for the member of a union it tried (prompt.str, metadata.a.function-after[...])
+_UNION_MEMBER_TAGS = ("str", "int", "float", "bool", "none", "list[str]", "list[int]")
+_VALIDATOR_TAG = re.compile(r"[a-z-]+\[.*\]$")  # function-after[_storable(), str]; not a dict key's [key]
+
+
+def field_name(error: dict[str, Any]) -> str:
+    """The request field a pydantic error is about, dotted (`messages.0.content`); `body` for the body as a whole,
+    such as JSON that does not parse (whose location is the character where parsing failed)."""
+    if error.get("type") == "json_invalid":
+        return "body"
+    parts = [str(p) for p in error["loc"] if p not in _WHERE]
+    return ".".join(p for p in parts if p not in _UNION_MEMBER_TAGS and not _VALIDATOR_TAG.match(p)) or "body"
 
 
 def _error_response(
@@ -61,14 +73,21 @@ async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
-    messages = [f"{_field_name(e['loc'])}: {e['msg']}" for e in errors]
-    first_field = _field_name(errors[0]["loc"]) if errors else None
+    messages = [f"{field_name(e)}: {e['msg']}" for e in errors]
+    first_field = field_name(errors[0]) if errors else None
     detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in errors]
     return _error_response(422, "; ".join(messages), first_field, detail)
 
 
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    # FastAPI's own errors (401 of a missing key, 404 of an unknown path, 405) in the same shape as every other
+    assert isinstance(exc, StarletteHTTPException)
+    return _error_response(exc.status_code, str(exc.detail), None, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Render ApiError and validation errors as {error: {message, field, status}, detail}."""
+    """Render ApiError, validation errors and FastAPI's HTTP errors as {error: {message, field, status}, detail}."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(OperationalError, _store_unavailable)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 
 from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import IntegrityError
@@ -22,6 +23,7 @@ from core.prompts import PromptFieldError, PromptTooLongError, TokenIdError
 from core.settings import get_settings
 from core.webhook_urls import check_webhook_url
 
+_JOB_ID = re.compile(r"job_[0-9a-f]{32}")  # what core.models.new_id makes
 MAX_BULK_IDS = 500  # jobs one GET /v1/jobs?ids=... reads, as many as its largest page
 
 
@@ -152,10 +154,12 @@ def _encode_cursor(job: Job) -> str:
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         created_at, job_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        if "\x00" in str(job_id):  # PostgreSQL refuses NUL
-            raise ValueError(job_id)
-        return datetime.fromisoformat(created_at), str(job_id)
-    except (ValueError, TypeError) as exc:
+        moment = datetime.fromisoformat(created_at)
+        # only what _encode_cursor writes: an aware time the store can compare (not year 1 less an offset), a job id
+        if moment.tzinfo is None or not _JOB_ID.fullmatch(str(job_id)):
+            raise ValueError(cursor)
+        return moment.astimezone(UTC), str(job_id)
+    except (ValueError, TypeError, OverflowError) as exc:
         raise ApiError(422, "cursor is not a value returned as next_cursor", "cursor") from exc
 
 

@@ -12,7 +12,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from sqlalchemy.exc import OperationalError
 
-from api.errors import ApiError, store_unavailable
+from api.errors import ApiError, field_name, store_unavailable
 from core.openai_responses import error_object
 
 
@@ -21,16 +21,10 @@ def error_response(status_code: int, message: str, param: str | None, code: str 
     return JSONResponse({"error": error_object(status_code, message, param, code)}, status_code=status_code)
 
 
-def _param(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    # Union members add their type name to the location (e.g. prompt.str); OpenAI names the parameter alone.
-    return ".".join(p for p in parts if p not in ("str", "list[str]", "int", "list[int]")) or "body"
-
-
 def validation_errors(errors: list[Any]) -> tuple[str, str | None]:
     """One message naming each invalid parameter, and the first such parameter."""
-    messages = [f"{_param(e['loc'])}: {e['msg']}" for e in errors]
-    return "; ".join(messages), _param(errors[0]["loc"]) if errors else None
+    messages = [f"{field_name(e)}: {e['msg']}" for e in errors]
+    return "; ".join(messages), field_name(errors[0]) if errors else None
 
 
 def _api_error(exc: ApiError) -> JSONResponse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, BinaryIO, TypeVar
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Select, and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
@@ -57,6 +57,23 @@ def get_owned(session: Session, key: ApiKey, model: type[Owned], object_id: str,
     return found
 
 
+def owned_page(session: Session, key: ApiKey, model: type[Owned], query: Select[tuple[Owned]], after: str | None,
+               limit: int, newest_first: bool = True) -> tuple[list[Owned], bool]:
+    """A page of `query` (the caller's files or batches) in creation order, after the object `after` (a cursor:
+    404 naming `after` when it is not the caller's); and whether more follow."""
+    if after:
+        anchor = session.get(model, after) if "\x00" not in after else None
+        if anchor is None or anchor.api_key_id != key.id:
+            raise ApiError(404, f"after: no object {after} to list after", "after")
+        later, earlier = model.created_at > anchor.created_at, model.created_at < anchor.created_at
+        same_time = model.created_at == anchor.created_at
+        query = query.where(or_(earlier, and_(same_time, model.id < anchor.id)) if newest_first
+                            else or_(later, and_(same_time, model.id > anchor.id)))
+    order = (model.created_at.desc(), model.id.desc()) if newest_first else (model.created_at, model.id)
+    page = list(session.scalars(query.order_by(*order).limit(limit + 1)))
+    return page[:limit], len(page) > limit
+
+
 def get_file(session: Session, key: ApiKey, file_id: str) -> StoredFile:
     """The caller's file, or 404 (also once deleted)."""
     stored = get_owned(session, key, StoredFile, file_id, "file")
@@ -65,12 +82,13 @@ def get_file(session: Session, key: ApiKey, file_id: str) -> StoredFile:
     return stored
 
 
-def list_files(session: Session, key: ApiKey, purpose: str | None) -> list[StoredFile]:
-    """The caller's files, newest first."""
+def list_files(session: Session, key: ApiKey, purpose: str | None, after: str | None, limit: int,
+               newest_first: bool) -> tuple[list[StoredFile], bool]:
+    """A page of the caller's files after the file `after`; and whether more follow."""
     query = select(StoredFile).where(StoredFile.api_key_id == key.id, StoredFile.deleted_at.is_(None))
     if purpose is not None:
         query = query.where(StoredFile.purpose == purpose)
-    return list(session.scalars(query.order_by(StoredFile.created_at.desc())))
+    return owned_page(session, key, StoredFile, query, after, limit, newest_first)
 
 
 def delete_file(session: Session, key: ApiKey, file_id: str) -> None:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from api.errors import ApiError
 from api.prompts import prompt_model
-from api.schemas import JobCreate, MetadataValue, NulFreeStr, StructuredOutputsIn, sampling_bounds
+from api.schemas import JobCreate, MetadataValue, StorableStr, StructuredOutputsIn, sampling_bounds
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
 from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import get_settings
@@ -130,7 +130,7 @@ class OpenAIRequest(OpenAIBody):
     top_p: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: NulFreeStr | None = Field(None, max_length=256)
+    user: StorableStr | None = Field(None, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int = -1

@@ -27,25 +27,30 @@ from core.structured_outputs import StructuredOutputError, grammar_of, only_kind
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def _nul_free(value: str) -> str:
-    # PostgreSQL text cannot hold NUL; refusing it here keeps every store's answer a 422, not a 500.
+def _storable(value: str) -> str:
+    # PostgreSQL text cannot hold NUL, and no store nor JSON response can hold a lone UTF-16 surrogate ("\ud800"):
+    # refusing both here keeps every store's answer a 422, not a 500 after the job was stored.
     if "\x00" in value:
         raise ValueError("must not contain the NUL character (\\u0000)")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be Unicode text: a lone surrogate {value[exc.start]!r} is not") from None
     return value
 
 
-NulFreeStr = Annotated[str, AfterValidator(_nul_free)]
+StorableStr = Annotated[str, AfterValidator(_storable)]
 
 
-def _nul_free_json(value: dict[str, Any]) -> dict[str, Any]:
-    # a JSON object rendered into the prompt, which is stored
-    if "\\u0000" in json.dumps(value):
-        raise ValueError("must not contain the NUL character (\\u0000)")
+def _storable_json(value: dict[str, Any]) -> dict[str, Any]:
+    # a JSON object rendered into the prompt, which is stored (JSON writes NUL as an escape even unescaped)
+    text = json.dumps(value, ensure_ascii=False)
+    _storable(text.replace("\\u0000", "\x00"))
     return value
 
 
-NulFreeJsonObject = Annotated[dict[NulFreeStr, Any], AfterValidator(_nul_free_json)]
-MetadataValue = NulFreeStr | int | float | bool | None
+StorableJsonObject = Annotated[dict[StorableStr, Any], AfterValidator(_storable_json)]
+MetadataValue = StorableStr | int | float | bool | None
 
 
 def sampling_bounds(name: str) -> dict[str, Any]:
@@ -69,12 +74,12 @@ class StructuredOutputsIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    json_schema: dict[str, Any] | NulFreeStr | bool | None = Field(
+    json_schema: dict[str, Any] | StorableStr | bool | None = Field(
         None, alias="json", description="a JSON schema (an object, or its JSON text) the output must satisfy")
-    regex: NulFreeStr | None = Field(None, min_length=1, max_length=65_536)
-    choice: list[Annotated[NulFreeStr, Field(min_length=1, max_length=4096)]] | None = Field(
+    regex: StorableStr | None = Field(None, min_length=1, max_length=65_536)
+    choice: list[Annotated[StorableStr, Field(min_length=1, max_length=4096)]] | None = Field(
         None, min_length=1, max_length=1024, description="the output is exactly one of these strings")
-    grammar: NulFreeStr | None = Field(None, min_length=1, max_length=400_000, description="Lark or GBNF")
+    grammar: StorableStr | None = Field(None, min_length=1, max_length=400_000, description="Lark or GBNF")
     json_object: bool | None = Field(None, description="true: any JSON object")
     disable_any_whitespace: bool = Field(False, description="compact JSON: no whitespace between its tokens")
 
@@ -115,7 +120,7 @@ class SamplingParamsIn(BaseModel):
     top_k: int = _sampling_field("top_k")
     min_p: float = _sampling_field("min_p")
     seed: int | None = _sampling_field("seed")
-    stop: list[NulFreeStr] | None = _sampling_field("stop")
+    stop: list[StorableStr] | None = _sampling_field("stop")
     stop_token_ids: list[int] | None = _sampling_field("stop_token_ids")
     ignore_eos: bool = _sampling_field("ignore_eos")
     skip_special_tokens: bool = _sampling_field("skip_special_tokens")
@@ -133,12 +138,6 @@ class SamplingParamsIn(BaseModel):
     allowed_token_ids: list[int] | None = _sampling_field("allowed_token_ids")
     structured_outputs: StructuredOutputsIn | None = _sampling_field("structured_outputs")
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_not_zero(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -173,8 +172,8 @@ class ToolCallFunctionIn(BaseModel):
 
     model_config = _STRICT
 
-    name: NulFreeStr = Field(min_length=1, max_length=256)
-    arguments: NulFreeStr = Field(max_length=400_000)
+    name: StorableStr = Field(min_length=1, max_length=256)
+    arguments: StorableStr = Field(max_length=400_000)
 
 
 class ToolCallIn(BaseModel):
@@ -182,7 +181,7 @@ class ToolCallIn(BaseModel):
 
     model_config = _STRICT
 
-    id: NulFreeStr = Field(min_length=1, max_length=256)
+    id: StorableStr = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: ToolCallFunctionIn
 
@@ -193,9 +192,9 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: NulFreeStr = Field(max_length=400_000)
+    content: StorableStr = Field(max_length=400_000)
     tool_calls: list[ToolCallIn] | None = Field(None, min_length=1, max_length=128)
-    tool_call_id: NulFreeStr | None = Field(None, min_length=1, max_length=256)
+    tool_call_id: StorableStr | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self) -> ChatMessage:
@@ -211,9 +210,9 @@ class FunctionIn(BaseModel):
 
     model_config = _STRICT
 
-    name: NulFreeStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: NulFreeStr | None = Field(None, max_length=8192)
-    parameters: NulFreeJsonObject | None = None
+    name: StorableStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StorableStr | None = Field(None, max_length=8192)
+    parameters: StorableJsonObject | None = None
 
 
 class ToolIn(BaseModel):
@@ -228,7 +227,7 @@ class ToolIn(BaseModel):
 class JobCreate(SamplingParamsIn):
     """Body of POST /v1/jobs: a prompt or chat messages, sampling parameters and delivery options."""
 
-    prompt: NulFreeStr | None = Field(None, min_length=1, max_length=400_000)
+    prompt: StorableStr | None = Field(None, min_length=1, max_length=400_000)
     prompt_token_ids: list[int] | None = Field(
         None, min_length=1, max_length=131_072, description="the prompt as token ids, passed to the engine as given")
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=256)
@@ -238,11 +237,11 @@ class JobCreate(SamplingParamsIn):
     continue_final_message: bool = Field(
         False, description="with messages: leave the final message open for the model to continue "
         "(needs add_generation_prompt false)")
-    chat_template_kwargs: NulFreeJsonObject | None = Field(
+    chat_template_kwargs: StorableJsonObject | None = Field(
         None, max_length=64, description="with messages: extra variables for the chat template (enable_thinking...)")
     priority: int = Field(0, ge=-1000, le=1000)
-    metadata: dict[NulFreeStr, MetadataValue] | None = Field(None, max_length=32)
-    webhook_url: NulFreeStr | None = Field(None, min_length=1, max_length=2048)
+    metadata: dict[StorableStr, MetadataValue] | None = Field(None, max_length=32)
+    webhook_url: StorableStr | None = Field(None, min_length=1, max_length=2048)
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> JobCreate:

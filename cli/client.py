@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -183,7 +184,7 @@ def cmd_submit_file(settings: Settings, args: argparse.Namespace) -> None:
 
 def _positive_seconds(text: str) -> float:
     value = float(text)
-    if value <= 0:
+    if not 0 < value < math.inf:  # nan too
         raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
     return value
 

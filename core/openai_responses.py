@@ -108,7 +108,8 @@ def _completion_logprobs(steps: list[Step], offset: int = 0) -> dict[str, Any]:
     return {
         "tokens": [token for token, _, _ in steps],
         "token_logprobs": [logprob for _, logprob, _ in steps],
-        "top_logprobs": [None if top is None else dict(top) for _, _, top in steps],
+        # the chosen token is always among a completion's (up to logprobs + 1 entries), as OpenAI and vLLM do
+        "top_logprobs": [None if top is None else {**dict(top), token: lp} for token, lp, top in steps],
         "text_offset": offsets,
     }
 

@@ -37,7 +37,6 @@ class SamplingField:
     default: Any
     service: Bounds  # of the value, or of each item of a list
     engine: Bounds
-    excluded: tuple[int, ...] = ()  # values inside the ranges that neither accepts (top_k 0)
     max_items: int | None = None  # a list's length the service accepts (the engine takes any)
     description: str | None = None
 
@@ -51,7 +50,7 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
     SamplingField("max_tokens", 16, Bounds(1, _TOKENS_MAX), Bounds(1)),
     SamplingField("temperature", 1.0, Bounds(0.0, 10.0), Bounds(0.0)),
     SamplingField("top_p", 1.0, Bounds(0.0, 1.0, low_exclusive=True), Bounds(0.0, 1.0, low_exclusive=True)),
-    SamplingField("top_k", -1, Bounds(-1, 100_000), Bounds(-1), excluded=(0,)),
+    SamplingField("top_k", -1, Bounds(-1, 100_000), Bounds(-1)),  # 0 and -1 both leave every token in, as vLLM
     SamplingField("min_p", 0.0, Bounds(0.0, 1.0), Bounds(0.0, 1.0)),
     # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; the service takes a signed 64-bit int, as vLLM does
     SamplingField("seed", None, Bounds(-(2**63), _SEED_MAX), Bounds(-(2**63), 2**64 - 1)),

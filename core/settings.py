@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -16,7 +17,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 class Settings(BaseSettings):
     """Service configuration; every field is PAGEDSERVE_<NAME> in the environment and --<name> on the CLI."""
 
-    model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_", extra="ignore")
+    # inf and nan are no durations, sizes or fractions (an inf also reaches a child process as null)
+    model_config = SettingsConfigDict(env_prefix="PAGEDSERVE_", extra="ignore", allow_inf_nan=False)
 
     data_dir: Path = Field(Path("~/.local/share/pagedserve"), description="embedded SQLite, Redis files, uploads")
     cache_dir: Path = Field(Path("~/.cache/pagedserve"), description="converted model weights")
@@ -26,8 +28,8 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker and token event streams")
     redis_key_prefix: str = Field("pagedserve:", description="prefix of every Redis key the service writes")
     host: str = Field("127.0.0.1", description="where the API listens")
-    port: int = Field(8000, description="API port")
-    metrics_port: int = Field(9400, description="a worker's Prometheus port")
+    port: int = Field(8000, ge=1, le=65_535, description="API port")
+    metrics_port: int = Field(9400, ge=1, le=65_535, description="a worker's Prometheus port")
     metrics_host: str = Field("127.0.0.1", description="where a worker serves its Prometheus metrics")
     model: str = Field("smollm2-135m-instruct", description="model name or local HF folder")
     dtype: Literal["auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"] = Field(
@@ -74,7 +76,7 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, le=1, description="devices one worker's model spans (vLLM's flag): pagedserve runs one per worker; "
         "start more workers to serve more")
-    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
+    served_model_name: Annotated[list[Annotated[str, Field(min_length=1)]] | None, NoDecode] = Field(
         None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")
@@ -123,6 +125,8 @@ class Settings(BaseSettings):
         if isinstance(value, ByteSize):
             return value
         if isinstance(value, int | float) or (isinstance(value, str) and _is_number(value)):
+            if not math.isfinite(float(value)):
+                raise ValueError(f"must be a finite size, got {value}")
             return int(float(value) * (1 << 30))
         return value
 

@@ -20,6 +20,8 @@ class ModelLimits:
     block_size: int
     # device blocks one request may ever hold (the watermark stays free)
     max_kv_blocks: int
+    # sequences one engine step runs: a request's samples or beams must fit in one step together
+    max_num_seqs: int
 
     def kv_blocks_needed(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Blocks a request needs at worst: its prompt plus every sample or beam at full length."""
@@ -51,6 +53,11 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, li
             f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
             f"context of {limits.max_model_len} tokens"
         )
+    for name in ("n", "beam_width"):
+        value = getattr(params, name)
+        if value > limits.max_num_seqs:
+            raise ValueError(f"{name} ({value}) exceeds max_num_seqs ({limits.max_num_seqs}), the most sequences one "
+                             "engine step runs: its sequences run together")
     worst_case = limits.kv_blocks_needed(num_prompt, params)
     if worst_case > limits.max_kv_blocks:
         raise ValueError(

@@ -129,8 +129,8 @@ class SamplingParams:
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
         _require(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-            f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}",
+            _is_int(self.top_k) and self.top_k >= -1,
+            f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}",
         )
         _require(
             _is_finite_number(self.min_p) and 0 <= self.min_p <= 1,

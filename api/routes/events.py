@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import jobs
 from api.auth import CurrentKey, DbSession
+from api.errors import ApiError
 from api.job_follow import RestartEvent, TokenEvent, follow_job
 from api.schemas import JobOut
 
@@ -48,6 +49,9 @@ async def job_events(
     last_event_id: Annotated[str | None, Header(pattern=r"^\d+-\d+$")] = None,
 ) -> StreamingResponse:
     """Stream `token` events ({index, text, token_ids} deltas) and one final `done` event with the job."""
+    if last_event_id and any(int(part) >= 1 << 64 for part in last_event_id.split("-")):
+        raise ApiError(422, "Last-Event-ID must be the id of an event this stream sent (<ms>-<seq>, each below "
+                       "2**64)", "Last-Event-ID")
     await run_in_threadpool(jobs.get_job, session, key, job_id)
     # A stream can last minutes: it must not keep a pooled connection (follow_job reads in short sessions).
     await run_in_threadpool(session.close)

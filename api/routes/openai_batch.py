@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 
@@ -33,9 +33,15 @@ def delete_file(file_id: str, key: CurrentKey, session: DbSession) -> FileDelete
 
 
 @router.get("/files", response_model=FileList)
-def list_files(key: CurrentKey, session: DbSession, purpose: str | None = None) -> FileList:
-    """The caller's files, newest first."""
-    return FileList(data=[FileObject.of(f) for f in openai_files.list_files(session, key, purpose)])
+def list_files(
+    key: CurrentKey, session: DbSession, purpose: str | None = None, after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000, order: Literal["asc", "desc"] = "desc",
+) -> FileList:
+    """The caller's files, newest first (`order=asc`: oldest first), a page of `limit` after the file `after`."""
+    page, has_more = openai_files.list_files(session, key, purpose, after, limit, newest_first=order == "desc")
+    data = [FileObject.of(f) for f in page]
+    return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                    has_more=has_more)
 
 
 @router.get("/files/{file_id}", response_model=FileObject)

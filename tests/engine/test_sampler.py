@@ -78,6 +78,9 @@ def test_top_k_and_top_p_sampling_stays_inside_the_kept_set() -> None:
     # probabilities ≈ .64 .24 .09 .03 .01: the nucleus for 0.8 is the first two tokens
     top_p = {r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_p=0.8))}
     assert top_p == {0, 1}
+    # top_k 0 leaves every token in, as -1 does (vLLM's two spellings of "off")
+    unlimited = [[r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_k=k))] for k in (0, -1)]
+    assert unlimited[0] == unlimited[1] and set(unlimited[0]) == {0, 1, 2, 3, 4}
 
 
 def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_batch() -> None:
@@ -97,7 +100,7 @@ logit_values = st.floats(width=32, allow_nan=True, allow_infinity=True) | st.sam
 def sampling_rows(draw: st.DrawFn, vocab: int) -> SamplingRow:
     params = SamplingParams(
         temperature=draw(st.sampled_from([0.0, *EXTREME_TEMPERATURES]) | st.floats(0.0, 1e38)),
-        top_k=draw(st.sampled_from([-1, 1, 2, vocab, 10 * vocab])),
+        top_k=draw(st.sampled_from([-1, 0, 1, 2, vocab, 10 * vocab])),
         top_p=draw(st.floats(1e-9, 1.0)),
         min_p=draw(st.floats(0.0, 1.0)),
         repetition_penalty=draw(st.sampled_from([0.01, 0.5, 1.0, 2.0, 100.0])),

@@ -243,7 +243,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_model_dir: Path) -> None:
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"n": 0}, "n"),
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
         ({"logprobs": 1000}, "logprobs"),

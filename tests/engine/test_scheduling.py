@@ -172,3 +172,17 @@ def test_abort_frees_blocks_of_running_waiting_and_swapped_requests(tiny_model_d
         engine.step()
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+@pytest.mark.parametrize(("field", "params"), [
+    ("n", SamplingParams(n=3, max_tokens=2)),
+    ("beam_width", SamplingParams(beam_width=3, max_tokens=2)),
+])
+def test_a_request_wider_than_one_step_is_refused_and_blocks_no_one(
+    tiny_model_dir: Path, field: str, params: SamplingParams
+) -> None:
+    llm = tiny_llm(tiny_model_dir, max_num_seqs=2)
+    with pytest.raises(ValueError, match=rf"^{field} \(3\) exceeds max_num_seqs \(2\)"):
+        llm.engine.add_request("wide", "Hello there", params)
+    (fits,) = llm.generate(["Hello there"], SamplingParams(n=2, max_tokens=2, temperature=1.0, seed=1))
+    assert [len(c.token_ids) for c in fits.outputs] == [2, 2]

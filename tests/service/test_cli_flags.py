@@ -119,6 +119,15 @@ def test_vllm_engine_flags_reach_the_engine(tiny_model_dir: Path) -> None:
     (["worker", "--cuda-graph-max-batch", "0"], "--cuda-graph-max-batch"),
     (["api", "--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
     (["api", "--served-model-name"], "--served-model-name"),
+    (["api", "--served-model-name", ""], "--served-model-name"),
+    (["api", "--port", "70000"], "--port"),
+    (["up", "--port", "-1"], "--port"),
+    (["worker", "--metrics-port", "99999"], "--metrics-port"),
+    (["worker", "--swap-space", "inf"], "--swap-space"),
+    (["worker", "--webhook-timeout-s", "inf"], "--webhook-timeout-s"),
+    (["worker", "--heartbeat-ttl-s", "nan"], "--heartbeat-ttl-s"),
+    (["worker", "--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
+    (["submit-file", "jobs.jsonl", "--retry-for", "nan"], "--retry-for"),
 ])
 def test_a_bad_flag_value_fails_at_startup_naming_the_flag(
     capsys: pytest.CaptureFixture[str], argv: list[str], flag: str

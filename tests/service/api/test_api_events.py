@@ -172,3 +172,10 @@ def test_what_redis_never_got_streams_from_the_stored_output_before_the_end(
     for last_event_id, expected in ((first[0], [("lo!", [2, 3])]), (final[0], [])):
         resumed = client.get(f"/v1/jobs/{job_id}/events", headers={**auth_headers, "Last-Event-ID": last_event_id})
         assert _tokens(_parse(resumed.text)) == expected
+
+
+def test_an_event_id_redis_cannot_hold_is_422(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    for last in (f"{1 << 64}-0", f"1-{1 << 64}"):
+        response = client.get(f"/v1/jobs/{job_id}/events", headers={**auth_headers, "Last-Event-ID": last})
+        assert response.status_code == 422 and response.json()["error"]["field"] == "Last-Event-ID"

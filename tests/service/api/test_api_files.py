@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
@@ -156,3 +157,29 @@ def test_a_batch_line_with_an_out_of_vocabulary_stop_id_is_refused_and_creates_n
     assert client.get("/v1/jobs", headers=headers).json()["data"] == []
     errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=headers).text
     assert json.loads(errors)["response"]["body"]["error"]["param"] == "stop_token_ids"
+
+
+def test_files_list_in_pages_that_the_openai_client_follows_to_the_end(
+    client: TestClient, new_auth_headers: Headers
+) -> None:
+    headers = new_auth_headers("pages")
+    uploaded = [_upload(client, headers, _batch_file("m", 1)).json()["id"] for _ in range(5)]
+    newest_first = uploaded[::-1]
+    pages, after = [], None
+    while True:
+        params = {"limit": 2, **({"after": after} if after else {})}
+        page = client.get("/v1/files", params=params, headers=headers).json()
+        pages.append([f["id"] for f in page["data"]])
+        assert (page["first_id"], page["last_id"]) == (pages[-1][0], pages[-1][-1])
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert pages == [newest_first[:2], newest_first[2:4], newest_first[4:]]
+    oldest = client.get("/v1/files", params={"order": "asc", "limit": 3, "after": uploaded[0]}, headers=headers)
+    assert [f["id"] for f in oldest.json()["data"]] == uploaded[1:4] and oldest.json()["has_more"]
+    openai_client = openai.OpenAI(base_url="http://testserver/v1", api_key=headers["Authorization"].split()[1],
+                                  http_client=client)
+    assert [f.id for f in openai_client.files.list(limit=2)] == newest_first  # auto-paginated, and it ends
+    unknown = client.get("/v1/files", params={"after": "file_nope"}, headers=headers)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "after"
+    assert client.get("/v1/files", params={"order": "sideways"}, headers=headers).status_code in (400, 422)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ from fastapi.testclient import TestClient
 from api.batch_input import build_line
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import prompt_model
-from core.models import ApiKey
-from core.openai_responses import COMPLETIONS
+from core.models import ApiKey, Job, JobStatus
+from core.openai_responses import COMPLETIONS, completion_body
 from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import Settings, configure
 
@@ -363,3 +364,14 @@ def test_a_completion_without_an_api_key_is_401_with_the_bearer_challenge(client
 def test_tokenize_for_an_unknown_model_is_404(client: TestClient, auth_headers: dict[str, str]) -> None:
     response = client.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}, headers=auth_headers)
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_completions_top_logprobs_hold_the_chosen_token_whatever_its_rank(client: TestClient) -> None:
+    output = [{"index": 0, "text": "ab", "token_ids": [5, 6], "finish_reason": "length",
+               "logprobs": [{"5": -2.0, "9": -0.5}, {"6": -0.1, "7": -3.0}]}]
+    job = Job(id="job1", status=JobStatus.succeeded, params={"n": 1, "logprobs": 1}, metadata_={},
+              created_at=datetime.now(UTC), prompt_tokens=1, completion_tokens=2, output=output)
+    (choice,) = completion_body(job, "m")["choices"]
+    # the likeliest token, and the sampled one where it is not: logprobs + 1 entries at most, as OpenAI
+    assert [sorted(top.values()) for top in choice["logprobs"]["top_logprobs"]] == [[-2.0, -0.5], [-0.1]]
+    assert choice["logprobs"]["token_logprobs"] == [-2.0, -0.1]

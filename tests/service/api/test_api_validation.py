@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,7 +17,7 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "max_tokens": "8"}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
     ({"prompt": "x", "n": 1000}, "n"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
     ({"prompt": "x", "stop": [""]}, "stop"),
@@ -91,6 +94,37 @@ def test_invalid_json_is_422(client: TestClient, auth_headers: dict[str, str]) -
     headers = {**auth_headers, "Content-Type": "application/json"}
     response = client.post("/v1/jobs", content=b'{"prompt": "x",', headers=headers)
     assert response.status_code == 422 and "JSON" in response.json()["error"]["message"]
+    assert response.json()["error"]["field"] == "body"  # not the character where parsing stopped
+
+
+LONE_SURROGATES = [  # JSON may spell one (\\ud800); no store nor response can hold it
+    ('{"prompt": "a\\ud800b"}', "prompt"),
+    ('{"prompt": "x", "stop": ["\\udfff"]}', "stop.0"),
+    ('{"prompt": "x", "metadata": {"k": "\\ud800"}}', "metadata.k"),
+    ('{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages.0.content"),
+    ('{"prompt": "x", "structured_outputs": {"choice": ["\\ud800"]}}', "structured_outputs.choice.0"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), LONE_SURROGATES, ids=[field for _, field in LONE_SURROGATES])
+def test_a_lone_surrogate_is_422_naming_the_field_and_stores_nothing(
+    client: TestClient, new_auth_headers: Callable[[str], dict[str, str]], body: str, field: str
+) -> None:
+    headers = {**new_auth_headers("surrogates"), "Content-Type": "application/json"}
+    response = client.post("/v1/jobs", content=body.encode(), headers=headers)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] == field and ("surrogate" in response.text or "unicode" in response.text)
+    assert client.get("/v1/jobs", headers=headers).json()["data"] == []
+    openai = client.post("/v1/completions", content=b'{"prompt": "a\\ud800", "max_tokens": 1}', headers=headers)
+    assert openai.status_code == 400 and openai.json()["error"]["param"] == "prompt"
+
+
+def test_fastapis_own_errors_come_in_the_documented_shape(client: TestClient) -> None:
+    unauthorized = client.get("/v1/jobs")
+    assert unauthorized.status_code == 401 and unauthorized.headers["WWW-Authenticate"] == "Bearer"
+    assert unauthorized.json()["error"] == {"message": unauthorized.json()["detail"], "field": None, "status": 401}
+    not_allowed = client.delete("/v1/jobs")
+    assert not_allowed.status_code == 405 and not_allowed.json()["error"]["status"] == 405
 
 
 def test_invalid_utf8_is_422(client: TestClient, auth_headers: dict[str, str]) -> None:
@@ -107,8 +141,11 @@ def test_oversize_body_is_413(client: TestClient, auth_headers: dict[str, str]) 
 def test_bad_list_parameters_are_422(client: TestClient, auth_headers: dict[str, str]) -> None:
     assert client.get("/v1/jobs", params={"status": "sleeping"}, headers=auth_headers).status_code == 422
     assert client.get("/v1/jobs", params={"limit": 0}, headers=auth_headers).status_code == 422
-    response = client.get("/v1/jobs", params={"cursor": "not-a-cursor"}, headers=auth_headers)
-    assert response.status_code == 422 and response.json()["error"]["field"] == "cursor"
+    crafted = [["0001-01-01T00:00:00+01:00", "job_" + "0" * 32], ["0001-01-01T00:00:00", "job_" + "0" * 32],
+               ["2026-01-01T00:00:00+00:00", "job_\ud800"], ["2026-01-01T00:00:00+00:00", 7]]
+    for cursor in ["not-a-cursor", *(base64.urlsafe_b64encode(json.dumps(c).encode()).decode() for c in crafted)]:
+        response = client.get("/v1/jobs", params={"cursor": cursor}, headers=auth_headers)
+        assert response.status_code == 422 and response.json()["error"]["field"] == "cursor", cursor
 
 
 def test_unknown_job_is_404(client: TestClient, auth_headers: dict[str, str]) -> None:
