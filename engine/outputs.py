@@ -42,3 +42,4 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt token, its logprob and alternatives (None for the first)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # set when the engine failed this request (its outputs end with "error")
+    refused: bool = False  # the error is the request's own: a client's to change (its constraint could not be followed)

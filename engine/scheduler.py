@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +20,6 @@ if TYPE_CHECKING:  # the sampler's types: the scheduler only reads them
     from engine.sampler import SampleResult
     from engine.step_sampler import SamplerOutput
 
-logger = logging.getLogger(__name__)
 
 # why a token just appended to a sequence ends it ("stop", "length"), or None; it also decodes the text
 FinishCheck = Callable[[SequenceGroup, Sequence, int], str | None]
@@ -308,6 +306,10 @@ class Scheduler:
             forks = [self._fork(item.group, item.seq, generator) for generator in item.fork_generators]
             for seq, result in zip([item.seq, *forks], item.results):
                 self._append_token(item.group, seq, result, now, finish_reason)
+        for group in {id(item.group): item.group for item in sampled.samples}.values():
+            if group.error is not None:  # its constraint broke down: it ends now, reporting why, not as if done
+                self.remove(group)
+                group.finish("error", now)
 
     def _fork(self, group: SequenceGroup, parent: Sequence, generator: torch.Generator | None) -> Sequence:
         child = group.add_sample(parent, generator)
@@ -323,17 +325,19 @@ class Scheduler:
     ) -> None:
         token = result.token_id
         seq.token_ids.append(token)
-        if seq.grammar is not None and not seq.grammar.accept(token):
-            # only a row with no allowed token left (its stop tokens suppressed by min_tokens) samples outside
-            logger.warning("request %s sampled token %d outside its grammar; its output ends here",
-                           group.request_id, token)
+        reason = None
+        if seq.grammar is not None:
+            try:
+                seq.grammar.advance(token, group.params.structured_outputs or {})
+            except ValueError as exc:  # the output cannot follow its constraint: the request fails, as its own fault
+                group.error, group.refused, reason = f"{type(exc).__name__}: {exc}", True, "error"
         self.counters.generation_tokens += 1
         if group.first_token_time is None:
             group.first_token_time = now
         if result.logprobs is not None:
             seq.logprobs.append(result.logprobs)
             seq.cumulative_logprob += result.logprobs[token]
-        reason = finish_reason(group, seq, token)
+        reason = reason or finish_reason(group, seq, token)
         if reason is None:
             return
         seq.status = SequenceStatus.FINISHED

@@ -117,6 +117,7 @@ class SequenceGroup:
     # next-token logits of beams that finished recomputing before their siblings did
     pending_beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    refused: bool = False  # the failure is the request's own: its constraint could not be followed
     logit_edits: LogitEdits | None = None  # its logit_bias / allowed_token_ids as tensors, made by the sampler once
     # with params.prompt_logprobs: position i's entry holds token i's logprob given the tokens before it (the first
     # token has none); filled in prompt order as prefill chunks compute them, never twice (recompute skips them)

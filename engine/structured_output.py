@@ -19,7 +19,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from core.structured_outputs import StructuredOutputError, grammar_of
+from core.structured_outputs import StructuredOutputError, grammar_of, only_kind
 
 COMPILED_GRAMMARS_KEPT = 64
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -33,9 +33,16 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
 
-    def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar does not allow it (the state is then broken)."""
-        return self.matcher.consume_token(token_id)
+    def advance(self, token_id: int, spec: dict[str, Any]) -> None:
+        """Advance past a sampled token; StructuredOutputError naming the constraint ``spec`` when the grammar does
+        not take it: the grammar broke down (llguidance gave up on it), or the token is outside it (a row left with
+        no allowed token, its stop tokens suppressed by min_tokens)."""
+        if self.matcher.consume_token(token_id) and not self.matcher.is_error():  # it takes a token it then fails on
+            return
+        # llguidance's first line says why (a dump of its state follows)
+        why = self.matcher.get_error().strip().splitlines()[0] if self.matcher.is_error() else \
+            f"token {token_id} is outside it"
+        raise StructuredOutputError(only_kind(spec), f"could not be followed: {why}")
 
     @property
     def is_complete(self) -> bool:

@@ -181,7 +181,8 @@ class EngineService:
                 if handle.saw_tokens or not any(c.token_ids for c in output.outputs):
                     continue
                 handle.saw_tokens = True
-            handle.outputs.put(RequestFailed(output.error) if output.error is not None else output)
+            handle.outputs.put(output if output.error is None else
+                               ValueError(output.error) if output.refused else RequestFailed(output.error))
 
     def _sink_tokens(self, outputs: list[Any]) -> None:
         if self.token_sink is None:

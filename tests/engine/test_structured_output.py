@@ -182,3 +182,19 @@ def test_vllms_structured_outputs_params_class_is_accepted(llm: LLM) -> None:
 def test_sampling_params_name_a_malformed_constraint(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("spec", [{"regex": "(a{1000}){1000}"}, {"regex": "[^\\s\\S]"}])
+def test_a_constraint_that_breaks_down_while_generating_fails_its_request_alone(
+    llm: LLM, spec: dict[str, Any]
+) -> None:
+    # both compile; llguidance gives up on the first at its first token (too many lexer states), the second allows
+    # nothing at all: neither output can follow its constraint, so neither may end as if it had ("stop")
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (alone,) = llm.generate(["The weather today"], plain, use_tqdm=False)
+    broken = SamplingParams(temperature=1.0, seed=2, max_tokens=4, structured_outputs=spec)
+    bystander, failed = llm.generate(["The weather today", "Letters:"], [plain, broken], use_tqdm=False)
+    assert failed.error is not None and failed.refused and "structured_outputs.regex could not be followed" in \
+        failed.error
+    assert all(c.finish_reason == "error" for c in failed.outputs)
+    assert bystander.error is None and bystander.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -12,6 +12,9 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from core import streams
+from core.db import session_factory
+from core.models import Job
+from core.openai_responses import job_failure
 from core.settings import Settings
 from engine import SamplingParams
 from tests.engine.hf_reference import hf_beam, hf_logprobs
@@ -111,3 +114,17 @@ def test_beam_search_with_several_samples_is_refused(
         "/v1/jobs", json={"prompt": "x", "beam_width": 2, "n": 2}, headers=auth_headers
     )
     assert response.status_code == 422 and "beam" in response.text
+
+
+def test_a_constraint_that_breaks_down_fails_its_job_as_the_clients_to_change(
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    job_id = _submit(service_settings, auth_headers, prompt="Letters:", max_tokens=4,
+                     structured_outputs={"regex": "[^\\s\\S]"})  # compiles, matches nothing
+    run_job(job_id, service, SamplingParams)
+    job = _job(service_settings, auth_headers, job_id)
+    assert job["status"] == "failed" and job["error"].startswith(
+        "refused: StructuredOutputError: structured_outputs.regex could not be followed")
+    with session_factory()() as session:  # the OpenAI routes answer it with a 400, not a 500
+        failure = job_failure(session.get(Job, job_id))
+    assert failure is not None and failure.status_code == 400
