@@ -151,6 +151,13 @@ class OpenAIRequest(OpenAIBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # as vLLM and OpenAI refuse it
+            raise ValueError("stream_options can only be given with stream: true")
+        return value
+
     def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
              **prompt: Any) -> JobCreate:
         if self.model is not None:
@@ -328,7 +335,8 @@ class ChatMessageIn(OpenAIBody):
 
     def as_job_message(self) -> dict[str, Any]:
         """The message as the job store keeps it (developer counts as system), what the chat template reads."""
-        text = "" if self.content is None else self.content if isinstance(self.content, str) else "".join(
+        # text parts joined by newlines, as vLLM renders them for a template that takes a string
+        text = "" if self.content is None else self.content if isinstance(self.content, str) else "\n".join(
             p.text for p in self.content)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
@@ -368,6 +376,14 @@ class NamedToolChoice(OpenAIBody):
     function: FunctionName
 
 
+def template_tools(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
+    """A request's tools as the chat template reads them (`tools=`, as transformers and vLLM pass them)."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": tool.function.model_dump(include={"name", "description", "parameters"},
+                                                                      exclude_none=True)} for tool in tools]
+
+
 class ChatCompletionRequest(OpenAIRequest):
     """Body of POST /v1/chat/completions."""
 
@@ -383,6 +399,13 @@ class ChatCompletionRequest(OpenAIRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # as vLLM and OpenAI refuse it (0 asks for nothing: let be)
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @field_validator("tools")
     @classmethod
@@ -405,13 +428,9 @@ class ChatCompletionRequest(OpenAIRequest):
                                                     "chat_template_kwargs"}))
 
     def _chat_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template reads them; every tool_choice but "none" shows them, as vLLM does by
-        default ("none" too: the model still sees what it may not call)."""
-        if not self.tools:
-            return None
-        return [{"type": "function", "function": tool.function.model_dump(include={"name", "description",
-                                                                                   "parameters"}, exclude_none=True)}
-                for tool in self.tools]
+        """The tools as the chat template reads them; every tool_choice shows them, as vLLM does by default ("none"
+        too: the model still sees what it may not call)."""
+        return template_tools(self.tools)
 
     def _tool_mode(self) -> str | None:
         """How the output becomes tool calls (core.tool_calls' modes: forced "required" or "function:<name>", or

@@ -14,7 +14,13 @@ from api.errors import ApiError
 from api.jobs import create_job, create_jobs
 from api.openai_errors import OpenAIRoute
 from api.openai_relay import failure, stream_jobs, wait_for_jobs
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest, ignored_fields, openai_named
+from api.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_served_model,
+    ignored_fields,
+    openai_named,
+)
 from api.prompts import prompt_model
 from api.schemas import JobCreate
 from core.models import Job, utcnow
@@ -26,13 +32,23 @@ logger = logging.getLogger("pagedserve.api")
 STARTED_AT = int(utcnow().timestamp())
 
 
+def _model_card(name: str) -> dict[str, Any]:
+    model = prompt_model()
+    return {"id": name, "object": "model", "created": STARTED_AT, "owned_by": "pagedserve", "root": model.name,
+            "parent": None, "max_model_len": model.max_model_len}
+
+
 @router.get("/models")
 def list_models(key: CurrentKey) -> dict[str, Any]:
     """Each served model name, as OpenAI's model list with vLLM's max_model_len and root."""
-    model = prompt_model()
-    cards = [{"id": name, "object": "model", "created": STARTED_AT, "owned_by": "pagedserve", "root": model.name,
-              "parent": None, "max_model_len": model.max_model_len} for name in served_model_names()]
-    return {"object": "list", "data": cards}
+    return {"object": "list", "data": [_model_card(name) for name in served_model_names()]}
+
+
+@router.get("/models/{model_id:path}")
+def get_model(model_id: str, key: CurrentKey) -> dict[str, Any]:
+    """One served model name's card (OpenAI's models.retrieve); 404 naming the model for any other name."""
+    check_served_model(model_id)
+    return _model_card(model_id)
 
 
 def _create(session: DbSession, key: CurrentKey, bodies: list[JobCreate], sent_as: dict[str, str]) -> list[Job]:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from api.auth import CurrentKey
 from api.errors import ApiError
 from api.openai_errors import OpenAIRoute
-from api.openai_schemas import ChatMessageIn, check_served_model
+from api.openai_schemas import ChatMessageIn, ToolDef, check_served_model, template_tools
 from api.prompts import prompt_model
 from core.prompts import ChatTemplateOptions, PromptFieldError
 
@@ -26,6 +26,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = Field(None, max_length=400_000)
     messages: list[ChatMessageIn] | None = Field(None, min_length=1, max_length=256)
+    tools: list[ToolDef] | None = Field(None, max_length=128)  # shown to the chat template, as a chat request's
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -73,7 +74,8 @@ def tokenize(body: TokenizeRequest, key: CurrentKey) -> TokenizeResponse:
         text = body.prompt or ""
     else:
         try:
-            text = model.render_chat([m.as_job_message() for m in body.messages], options=ChatTemplateOptions.of(body))
+            text = model.render_chat([m.as_job_message() for m in body.messages], tools=template_tools(body.tools),
+                                     options=ChatTemplateOptions.of(body))
         except PromptFieldError as exc:
             raise ApiError(400, str(exc), exc.field) from exc
     encoding = model.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from api.app import create_app
 from api.batch_input import build_line
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import prompt_model
@@ -60,6 +61,10 @@ def test_models_lists_every_served_name_with_its_context_length(
     cards = client.get("/v1/models", headers=auth_headers).json()["data"]
     assert [c["id"] for c in cards] == ALIASES
     assert all(c["max_model_len"] == 128 and c["owned_by"] == "pagedserve" for c in cards)
+    # the openai client's models.retrieve: each served name's card, OpenAI's 404 for any other
+    assert [client.get(f"/v1/models/{name}", headers=auth_headers).json() for name in ALIASES] == cards
+    unknown = client.get("/v1/models/org/gpt-4", headers=auth_headers)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_headers: dict[str, str]) -> None:
@@ -104,6 +109,8 @@ def _every_optional_field_null(schema: type[CompletionRequest] | type[ChatComple
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": -1}, "max_tokens"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as vLLM and OpenAI refuse it
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     ({"user": "a\u0000b"}, "user"),
     ({"max_completion_tokens": 1000}, "max_completion_tokens"),  # past the 128-token context
 ])
@@ -375,3 +382,28 @@ def test_a_completions_top_logprobs_hold_the_chosen_token_whatever_its_rank(clie
     # the likeliest token, and the sampled one where it is not: logprobs + 1 entries at most, as OpenAI
     assert [sorted(top.values()) for top in choice["logprobs"]["top_logprobs"]] == [[-2.0, -0.5], [-0.1]]
     assert choice["logprobs"]["token_logprobs"] == [-2.0, -0.1]
+
+
+def test_text_parts_join_with_newlines_as_vllm_renders_them() -> None:
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}]})
+    assert request.messages[0].as_job_message() == {"role": "user", "content": "first\nsecond"}
+
+
+def test_tokenize_shows_the_tools_to_the_chat_template(
+    service_settings: Settings, auth_headers: dict[str, str]
+) -> None:
+    template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}" \
+               "{% endfor %}"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    try:
+        with TestClient(create_app(service_settings.model_copy(update={"chat_template": template}))) as client:
+            body = {"messages": [{"role": "user", "content": "the fox"}], "tools": [tool]}
+            tokens = client.post("/tokenize", json=body, headers=auth_headers).json()["tokens"]
+            text = client.post("/detokenize", json={"tokens": tokens}, headers=auth_headers).json()["prompt"]
+            assert text == "[get_weather]the fox"
+            bad = client.post("/tokenize", json={**body, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+                              headers=auth_headers)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.function.name"
+    finally:
+        configure(service_settings)
