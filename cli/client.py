@@ -61,6 +61,10 @@ def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
                     event = line.removeprefix("event: ")
                 elif line.startswith("data: ") and event == "token":
                     print(json.loads(line.removeprefix("data: "))["text"], end="", flush=True)
+                elif line.startswith("data: ") and event == "restart":  # the text printed so far is void
+                    attempt = json.loads(line.removeprefix("data: "))["attempt"]
+                    print(f"\n[the job started over after a worker failure (attempt {attempt}); its text follows "
+                          "anew]", file=sys.stderr, flush=True)
         print()
         print(json.dumps(_check(client.get(f"/v1/jobs/{job['id']}")), indent=2), file=sys.stderr)
 

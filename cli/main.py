@@ -48,10 +48,22 @@ def _env_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, list) else str(value)  # pydantic-settings reads lists as JSON
 
 
+def require_migrated_store(settings: Settings, command: str) -> None:
+    """Stop a command that reads the job store when its schema is not this code's (run `migrate` first)."""
+    from cli import migrate
+
+    problem = migrate.unmigrated(settings.resolved_database_url())
+    if problem is not None:
+        raise SystemExit(f"pagedserve {command}: {problem}")
+
+
 def check_startup(settings: Settings, command: str) -> None:
-    """Prepare the model (all but `api`), then fail before serving, naming the setting, on values only the model
-    or the engine can judge."""
+    """Check the job store's schema (`api`, `worker`), prepare the model (all but `api`), then fail before serving,
+    naming the setting, on values only the model or the engine can judge."""
     from api.prompts import ModelUnavailableError, prompt_model
+
+    if command in ("api", "worker"):  # `up` migrates it itself
+        require_migrated_store(settings, command)
 
     try:
         if command != "api":
@@ -207,7 +219,17 @@ def main(argv: list[str] | None = None) -> None:
     from core.logging import configure_logging
 
     configure_logging(settings.log_format)
-    args.handler(settings, args)
+    if args.command not in ("keys", "create-key", "migrate"):
+        args.handler(settings, args)
+        return
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        if args.command != "migrate":
+            require_migrated_store(settings, args.command)
+        args.handler(settings, args)
+    except OperationalError as exc:  # a store that is down or refuses us: say so, not a traceback
+        raise SystemExit(f"pagedserve {args.command}: the job store cannot be reached: {exc.orig}") from None
 
 
 if __name__ == "__main__":

@@ -47,7 +47,14 @@ def resolve_webhook_url(url: str, allow_private: bool) -> WebhookTarget:
     if not parts.hostname:
         raise ValueError("webhook_url has no host")
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        port = parts.port
+    except ValueError:  # urllib's "Port out of range 0-65535", or not a number
+        port = 0
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    elif port == 0:  # (0 is no port to deliver to)
+        raise ValueError(f"webhook_url port must be a number in 1-65535, got {parts.netloc.rpartition(':')[2]!r}")
+    try:
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, ValueError) as exc:
         raise ValueError(f"webhook_url host {parts.hostname!r} does not resolve") from exc

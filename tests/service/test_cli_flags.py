@@ -250,3 +250,17 @@ def test_api_keys_come_from_the_flag_or_one_from_the_environment(
     assert Settings().api_key == ["k1", "[k2"]
     assert "--api-key (PAGEDSERVE_API_KEY)" in _refused(capsys, "api", "--api-key", " padded")
     assert "--api-key" not in _help(capsys, "worker")
+
+
+@pytest.mark.parametrize("argv", [["keys", "list"], ["keys", "create", "--name", "x"], ["api"], ["worker"]])
+def test_a_store_not_migrated_stops_what_reads_it_saying_to_migrate(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    message = _refused(capsys, *argv, "--database-url", url, "--data-dir", str(tmp_path))
+    assert "the job store is at revision none" in message and "run `pagedserve migrate` first" in message
+
+
+def test_a_store_that_cannot_be_reached_is_said_so_by_the_key_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    message = _refused(capsys, "keys", "list", "--database-url", "postgresql+psycopg://127.0.0.1:1/nowhere")
+    assert message.startswith("pagedserve keys: the job store cannot be reached")

@@ -161,3 +161,9 @@ def test_private_webhook_targets_are_refused_unless_allowed(url: str) -> None:
     with pytest.raises(ValueError, match="non-public"):
         check_webhook_url(url, allow_private=False)
     check_webhook_url(url, allow_private=True)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/", "http://127.0.0.1:0/", "http://127.0.0.1:port/"])
+def test_a_webhook_port_out_of_range_is_named_as_the_port(url: str) -> None:
+    with pytest.raises(ValueError, match="webhook_url port must be a number in 1-65535"):
+        check_webhook_url(url, allow_private=True)
