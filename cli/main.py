@@ -58,12 +58,9 @@ def require_migrated_store(settings: Settings, command: str) -> None:
 
 
 def check_startup(settings: Settings, command: str) -> None:
-    """Check the job store's schema (`api`, `worker`), prepare the model (all but `api`), then fail before serving,
-    naming the setting, on values only the model or the engine can judge."""
+    """Prepare the model (all but `api`), fail before serving, naming the setting, on values only the model or the
+    engine can judge, then on a job store whose schema is not this code's (`api`, `worker`)."""
     from api.prompts import ModelUnavailableError, prompt_model
-
-    if command in ("api", "worker"):  # `up` migrates it itself
-        require_migrated_store(settings, command)
 
     try:
         if command != "api":
@@ -81,6 +78,8 @@ def check_startup(settings: Settings, command: str) -> None:
         logger.warning("%s; /readyz answers 503 and jobs are refused until then", exc.__cause__)
     except ValueError as exc:
         raise SystemExit(f"pagedserve {command}: {exc}") from exc
+    if command in ("api", "worker"):  # `up` migrates it itself
+        require_migrated_store(settings, command)
 
 
 def cmd_api(settings: Settings, _args: argparse.Namespace) -> None:

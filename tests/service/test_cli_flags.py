@@ -254,10 +254,11 @@ def test_api_keys_come_from_the_flag_or_one_from_the_environment(
 
 @pytest.mark.parametrize("argv", [["keys", "list"], ["keys", "create", "--name", "x"], ["api"], ["worker"]])
 def test_a_store_not_migrated_stops_what_reads_it_saying_to_migrate(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, argv: list[str]
 ) -> None:
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
-    message = _refused(capsys, *argv, "--database-url", url, "--data-dir", str(tmp_path))
+    model = ["--model", str(tiny_model_dir)] if argv[0] in ("api", "worker") else []
+    message = _refused(capsys, *argv, *model, "--database-url", url, "--data-dir", str(tmp_path))
     assert "the job store is at revision none" in message and "run `pagedserve migrate` first" in message
 
 
