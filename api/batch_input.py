@@ -12,6 +12,7 @@ from api.jobs import build_job
 from api.openai_errors import validation_errors
 from api.openai_files import jsonl_lines
 from api.openai_schemas import REQUEST_SCHEMAS, openai_named
+from api.schemas import is_storable
 from core.models import ApiKey, Job
 from core.openai_responses import error_object
 from core.settings import get_settings
@@ -31,8 +32,10 @@ class BatchLine:
 
 def _format_error(number: int, line: dict[str, Any], endpoint: str, seen: set[str]) -> str | None:
     custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS or "\x00" in custom_id:
-        return f"line {number}: custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, without NUL"
+    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID_CHARS or \
+            not is_storable(custom_id):
+        return (f"line {number}: custom_id must be a string of 1 to {MAX_CUSTOM_ID_CHARS} characters, without NUL "
+                "or lone surrogates")
     if custom_id in seen:
         return f"line {number}: custom_id '{custom_id}' is used by an earlier line; each must be unique"
     if line.get("method") != "POST":

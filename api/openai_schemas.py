@@ -403,7 +403,7 @@ class ChatCompletionRequest(OpenAIRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value and not info.data.get("logprobs"):  # as vLLM and OpenAI refuse it (0 asks for nothing: let be)
+        if value is not None and not info.data.get("logprobs"):  # as vLLM and OpenAI refuse it
             raise ValueError("top_logprobs needs logprobs: true")
         return value
 

@@ -27,15 +27,22 @@ from core.structured_outputs import StructuredOutputError, grammar_of, only_kind
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def _storable(value: str) -> str:
-    # PostgreSQL text cannot hold NUL, and no store nor JSON response can hold a lone UTF-16 surrogate ("\ud800"):
-    # refusing both here keeps every store's answer a 422, not a 500 after the job was stored.
-    if "\x00" in value:
-        raise ValueError("must not contain the NUL character (\\u0000)")
+def is_storable(value: str) -> bool:
+    """Whether every store and JSON response can hold the text: PostgreSQL's text cannot hold NUL, and no store nor
+    response can hold a lone UTF-16 surrogate ("\\ud800", which JSON can spell)."""
     try:
         value.encode()
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"must be Unicode text: a lone surrogate {value[exc.start]!r} is not") from None
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
+def _storable(value: str) -> str:
+    # refusing what no store can hold here keeps every store's answer a 422, not a 500 after the job was stored
+    if "\x00" in value:
+        raise ValueError("must not contain the NUL character (\\u0000)")
+    if not is_storable(value):
+        raise ValueError("must be Unicode text: a lone surrogate is not")
     return value
 
 

@@ -26,7 +26,7 @@ API_ONLY = frozenset({
 WORKER_ONLY = frozenset({
     "cache_dir", "metrics_port", "metrics_host", "dtype", "kv_cache_memory", "swap_space", "max_num_seqs",
     "block_size", "preemption_mode", "attention_backend", "num_threads", "cpu_weight_packing", "quantization",
-    "enforce_eager", "cuda_graph_max_batch", "tensor_parallel_size",
+    "enforce_eager", "cuda_graph_max_batch",
     "gpu_memory_utilization", "max_num_batched_tokens", "enable_prefix_caching", "seed", "webhook_max_attempts",
     "webhook_backoff_s", "webhook_timeout_s", "reaper_interval_s", "reconcile_grace_s", "engine_stall_timeout_s",
     "shutdown_grace_s",

@@ -36,7 +36,8 @@ def cmd_list_keys(_settings: Settings, _args: argparse.Namespace) -> None:
         keys = session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)).all()
     for key in keys:
         revoked = f"{key.revoked_at:%Y-%m-%dT%H:%M:%SZ}" if key.revoked_at else "-"
-        token = "(--api-key)" if is_chosen_key(key) else f"{TOKEN_PREFIX}_{key.lookup}_..."
+        # an --api-key token's row shows the start of the token's SHA-256, which tells the rows apart
+        token = f"(--api-key {key.key_hash[:8]})" if is_chosen_key(key) else f"{TOKEN_PREFIX}_{key.lookup}_..."
         print(f"{key.id}\t{token}\t{key.created_at:%Y-%m-%dT%H:%M:%SZ}\t{revoked}\t{key.name}")
 
 

@@ -44,10 +44,14 @@ def call_schema(tools: list[dict[str, Any]], mode: str, parallel: bool) -> dict[
 
 def parsed_output(mode: str, text: str) -> ParsedOutput | None:
     """The tool calls a finished output holds under `mode`, with any content beside them; None if it holds none
-    (forced calls cut off by max_tokens, or free text)."""
+    (forced calls cut off by max_tokens or a stop string, or free text)."""
     if mode.startswith(AUTO_PREFIX):
         return TOOL_CALL_PARSERS[mode.removeprefix(AUTO_PREFIX)].parse(text)
-    if mode.startswith(NAMED_PREFIX):
+    if mode.startswith(NAMED_PREFIX):  # the text is the arguments, unless a stop string cut them short
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
         return ParsedOutput(None, [ParsedCall(mode.removeprefix(NAMED_PREFIX), text)])
     try:
         return ParsedOutput(None, [ParsedCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))

@@ -235,6 +235,7 @@ def test_the_model_may_be_given_first_as_in_vllm_serve(capsys: pytest.CaptureFix
 
 def test_tensor_parallel_size_takes_one_device_per_worker(capsys: pytest.CaptureFixture[str]) -> None:
     assert _settings("worker", "--tensor-parallel-size", "1").tensor_parallel_size == 1
+    assert _settings("api", "m", "--tensor-parallel-size", "1").tensor_parallel_size == 1  # as `vllm serve` takes it
     assert "--tensor-parallel-size (PAGEDSERVE_TENSOR_PARALLEL_SIZE)" in _refused(
         capsys, "worker", "--tensor-parallel-size", "2")
 

@@ -70,7 +70,7 @@ def test_a_revoked_chosen_key_stays_revoked_and_keeps_its_token(
     assert chosen.get("/v1/jobs", headers=_bearer(BOB)).status_code == 200
     key_id = _chosen_row(BOB).id
     listing = _keys_cli(service_settings, "list")
-    assert f"{key_id}\t(--api-key)\t" in listing.stdout and BOB not in listing.stdout
+    assert f"{key_id}\t(--api-key {hash_key(BOB)[:8]})\t" in listing.stdout and BOB not in listing.stdout
     rotated = _keys_cli(service_settings, "rotate", key_id, "--token")
     assert rotated.returncode != 0 and "given with --api-key" in rotated.stderr
     assert _keys_cli(service_settings, "revoke", key_id).returncode == 0

@@ -183,3 +183,17 @@ def test_files_list_in_pages_that_the_openai_client_follows_to_the_end(
     unknown = client.get("/v1/files", params={"after": "file_nope"}, headers=headers)
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "after"
     assert client.get("/v1/files", params={"order": "sideways"}, headers=headers).status_code in (400, 422)
+
+
+def test_a_custom_id_no_store_can_hold_fails_the_batch_naming_it(
+    client: TestClient, new_auth_headers: Headers
+) -> None:
+    headers = new_auth_headers("surrogate-ids")
+    good = {"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}
+    bad = '{"custom_id": "c\\ud800", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}'
+    file_id = _upload(client, headers, f"{json.dumps(good)}\n{bad}".encode()).json()["id"]
+    response = client.post("/v1/batches", headers=headers, json={
+        "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert response.status_code < 500, response.text
+    assert "line 2: custom_id" in response.text
+    assert client.get("/v1/jobs", headers=headers).json()["data"] == []  # nothing of the batch ran

@@ -110,6 +110,7 @@ def _every_optional_field_null(schema: type[CompletionRequest] | type[ChatComple
     ({"max_tokens": -1}, "max_tokens"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true, as vLLM and OpenAI refuse it
+    ({"top_logprobs": 0}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     ({"user": "a\u0000b"}, "user"),
     ({"max_completion_tokens": 1000}, "max_completion_tokens"),  # past the 128-token context

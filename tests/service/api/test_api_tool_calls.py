@@ -159,6 +159,12 @@ def test_a_named_calls_stream_closes_with_the_arguments_not_yet_sent() -> None:
     assert streamed_call_name(_job(REQUIRED, [("[]", "stop")])) is None
 
 
+def test_a_named_call_cut_short_by_a_stop_string_is_answered_as_its_text() -> None:
+    job = _job(NAMED_PREFIX + "get_weather", [('{"city": "', "stop")])  # stop: ["Paris"] ended it mid-arguments
+    (choice,) = chat_body(job, "m")["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"] == {"role": "assistant", "content": '{"city": "'}
+
+
 def test_a_named_call_takes_the_whole_text_as_its_arguments() -> None:
     content, (call,) = tool_calls(NAMED_PREFIX + "get_weather", '{"city": "Rome"}', "call_x_")  # type: ignore[misc]
     assert content is None
