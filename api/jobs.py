@@ -57,6 +57,11 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
             model.check_token_ids(token_ids or [], field_prefix + name)
         except TokenIdError as exc:
             raise ApiError(422, str(exc), field_prefix + name) from exc
+    max_num_seqs = get_settings().max_num_seqs  # the workers' too where they share the settings (as under `up`)
+    for name in ("n", "beam_width"):  # a worker refuses it too, but only once it takes the job (a stream has begun)
+        if getattr(body, name) > max_num_seqs:
+            raise ApiError(422, f"{field_prefix}{name} ({getattr(body, name)}) exceeds max_num_seqs ({max_num_seqs}), "
+                           "the most sequences one engine step runs", field_prefix + name)
     if body.webhook_url:
         try:
             check_webhook_url(body.webhook_url, get_settings().webhook_allow_private)

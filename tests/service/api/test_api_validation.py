@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from api.app import create_app
+from core.settings import Settings, configure
 from core.webhook_urls import check_webhook_url
 
 BAD_BODIES: list[tuple[dict[str, Any], str]] = [
@@ -167,3 +169,21 @@ def test_private_webhook_targets_are_refused_unless_allowed(url: str) -> None:
 def test_a_webhook_port_out_of_range_is_named_as_the_port(url: str) -> None:
     with pytest.raises(ValueError, match="webhook_url port must be a number in 1-65535"):
         check_webhook_url(url, allow_private=True)
+
+
+def test_more_sequences_than_a_step_runs_are_refused_before_a_job_exists(
+    service_settings: Settings, new_auth_headers: Callable[[str], dict[str, str]]
+) -> None:
+    headers = new_auth_headers("wide")
+    try:
+        with TestClient(create_app(service_settings.model_copy(update={"max_num_seqs": 4}))) as client:
+            for field, value in (("n", 5), ("beam_width", 5)):
+                response = client.post("/v1/jobs", json={"prompt": "x", field: value}, headers=headers)
+                assert response.status_code == 422 and response.json()["error"]["field"] == field
+            assert client.post("/v1/jobs", json={"prompt": "x", "n": 4}, headers=headers).status_code == 202
+            chat = {"messages": [{"role": "user", "content": "x"}], "n": 5, "stream": True, "max_tokens": 2}
+            streamed = client.post("/v1/chat/completions", json=chat, headers=headers)  # refused before any chunk
+            assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "n"
+            assert len(client.get("/v1/jobs", headers=headers).json()["data"]) == 1
+    finally:
+        configure(service_settings)
