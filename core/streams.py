@@ -68,7 +68,9 @@ def publish_restart(client: redis.Redis, job_id: str, attempt: int) -> None:
     only this attempt's tokens.
     """
     pipe = client.pipeline(transaction=True)
-    pipe.delete(events_key(job_id))
+    # emptied, not deleted: the stream keeps its last id, so the restart entry's id is past every id a follower has
+    # read (a stream made afresh could number it lower, within the same millisecond, and a live follower miss it)
+    pipe.xtrim(events_key(job_id), maxlen=0, approximate=False)
     pipe.xadd(events_key(job_id), {"type": "restart", "data": json.dumps({"attempt": attempt})})
     pipe.expire(events_key(job_id), EVENTS_TTL_S)
     pipe.execute()

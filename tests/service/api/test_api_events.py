@@ -11,6 +11,7 @@ from core import streams
 from core.db import session_factory
 from core.lifecycle import transition
 from core.models import JobStatus
+from core.settings import Settings
 
 
 def _parse(body: str) -> list[tuple[str, dict]]:
@@ -179,3 +180,17 @@ def test_an_event_id_redis_cannot_hold_is_422(client: TestClient, auth_headers: 
     for last in (f"{1 << 64}-0", f"1-{1 << 64}"):
         response = client.get(f"/v1/jobs/{job_id}/events", headers={**auth_headers, "Last-Event-ID": last})
         assert response.status_code == 422 and response.json()["error"]["field"] == "Last-Event-ID"
+
+
+def test_a_restart_entry_is_numbered_past_every_entry_a_follower_read(service_settings: Settings) -> None:
+    redis = streams.redis_client()
+    key = streams.events_key("job-restart-ids")
+    redis.delete(key)
+    for _ in range(50):  # within one millisecond a stream made afresh would number its entry 0 again
+        streams.publish_tokens(redis, {"job-restart-ids": [{"index": 0, "text": "x", "token_ids": [1]}]})
+        (last_read, _), = redis.xrevrange(key, count=1)
+        streams.publish_restart(redis, "job-restart-ids", attempt=2)
+        (restart_id, fields), = redis.xrange(key)
+        assert fields["type"] == "restart"
+        assert tuple(map(int, restart_id.split("-"))) > tuple(map(int, last_read.split("-")))
+    redis.delete(key)
