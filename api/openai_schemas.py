@@ -119,6 +119,16 @@ class ResponseFormat(OpenAIBody):
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
+def _only_with(flag: str) -> Any:
+    """A field validator refusing its field unless the request's earlier field `flag` is true, as vLLM and OpenAI
+    refuse stream_options without stream and top_logprobs without logprobs."""
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get(flag):
+            raise ValueError(f"{info.field_name} can only be given with {flag}: true")
+        return value
+    return check
+
+
 class OpenAIRequest(OpenAIBody):
     """Fields shared by completions and chat completions, plus vLLM's extra sampling fields."""
 
@@ -151,12 +161,7 @@ class OpenAIRequest(OpenAIBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    @field_validator("stream_options")
-    @classmethod
-    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if value is not None and not info.data.get("stream"):  # as vLLM and OpenAI refuse it
-            raise ValueError("stream_options can only be given with stream: true")
-        return value
+    _only_when_streaming = field_validator("stream_options")(_only_with("stream"))
 
     def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
              **prompt: Any) -> JobCreate:
@@ -400,12 +405,7 @@ class ChatCompletionRequest(OpenAIRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not info.data.get("logprobs"):  # as vLLM and OpenAI refuse it
-            raise ValueError("top_logprobs needs logprobs: true")
-        return value
+    _needs_logprobs = field_validator("top_logprobs")(_only_with("logprobs"))
 
     @field_validator("tools")
     @classmethod
