@@ -301,15 +301,16 @@ class Scheduler:
                 item.group.first_scheduled_time = now
         for advance in sampled.beams:
             self._apply_beams(advance, now)
+        broken: list[SequenceGroup] = []  # requests whose constraint broke down this step (almost always none)
         for item in sampled.samples:
             # an n-way prompt forks before it takes its token: the samples share its blocks
             forks = [self._fork(item.group, item.seq, generator) for generator in item.fork_generators]
             for seq, result in zip([item.seq, *forks], item.results):
-                self._append_token(item.group, seq, result, now, finish_reason)
-        for group in {id(item.group): item.group for item in sampled.samples}.values():
-            if group.error is not None:  # its constraint broke down: it ends now, reporting why, not as if done
-                self.remove(group)
-                group.finish("error", now)
+                if self._append_token(item.group, seq, result, now, finish_reason):
+                    broken.append(item.group)
+        for group in {id(group): group for group in broken}.values():  # each ends now, reporting why, not as if done
+            self.remove(group)
+            group.finish("error", now)
 
     def _fork(self, group: SequenceGroup, parent: Sequence, generator: torch.Generator | None) -> Sequence:
         child = group.add_sample(parent, generator)
@@ -322,7 +323,9 @@ class Scheduler:
 
     def _append_token(
         self, group: SequenceGroup, seq: Sequence, result: SampleResult, now: float, finish_reason: FinishCheck,
-    ) -> None:
+    ) -> bool:
+        """Append a sampled token and end the sequence if it finishes; True if the request's constraint broke down
+        (its error is then set)."""
         token = result.token_id
         seq.token_ids.append(token)
         reason = None
@@ -339,12 +342,13 @@ class Scheduler:
             seq.cumulative_logprob += result.logprobs[token]
         reason = reason or finish_reason(group, seq, token)
         if reason is None:
-            return
+            return False
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
         if group.is_finished:
             self._finish_request(group, now)
+        return reason == "error"
 
     def _apply_beams(self, advance: BeamAdvance, now: float) -> None:
         """Fork kept beams (sharing blocks), drop the rest (freeing what they alone held), record hypotheses."""
