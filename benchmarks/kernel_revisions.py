@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, save_with_legend, write_json
-from kernels.cpu_extension import SOURCES, build_kernels, cpu_kernels
-from kernels.cpu_features import cpu_flags
+from paged_kernels.cpu_extension import SOURCES, build_kernels, cpu_kernels
+from paged_kernels.cpu_features import cpu_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,7 +34,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The two builds, the grid and the output."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base", default="HEAD", help="git revision whose kernels/csrc/ is the baseline")
+    parser.add_argument("--base", default="HEAD", help="git revision whose paged_kernels/csrc/ is the baseline")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32], help="sequences per call")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 256], help="tokens per sequence")
@@ -67,15 +67,22 @@ def resolve_revision(revision: str) -> str:
     return found.stdout.strip()
 
 
+def _shown(commit: str, path: str) -> str | None:
+    shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return shown.stdout if shown.returncode == 0 else None
+
+
 def sources_at(commit: str) -> list[str]:
-    """The texts of ``SOURCES`` as ``commit`` has them; SystemExit naming the file it lacks."""
+    """The texts of ``SOURCES`` as ``commit`` has them (under the package's former name ``kernels/`` in commits
+    before it was renamed); SystemExit naming the file it lacks."""
     texts = []
     for source in SOURCES:
-        path = source.relative_to(REPO_ROOT).as_posix()
-        shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO_ROOT, capture_output=True, text=True)
-        if shown.returncode != 0:
+        relative = source.relative_to(REPO_ROOT)
+        path, former = relative.as_posix(), Path("kernels", *relative.parts[1:]).as_posix()
+        text = _shown(commit, path) or _shown(commit, former)
+        if text is None:
             raise SystemExit(f"--base: commit {commit[:12]} has no {path}, so its kernels cannot be built")
-        texts.append(shown.stdout)
+        texts.append(text)
     return texts
 
 

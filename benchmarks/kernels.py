@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# Run as a script, this file's folder would come first on sys.path and its own name would
-# shadow the ``kernels`` package: put the repository root there instead.
+# Run as a script, this file's folder comes first on sys.path, not the repository root whose
+# packages it imports (a checkout that is not pip-installed, as on the GPU machine): put the root there.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 # Peak HBM bandwidth by device-name fragment, for the "% of peak" column (override with a flag).
@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float 
     """Time paged decode and contiguous SDPA on identical K/V for one grid point."""
     import triton.testing
 
-    from kernels import triton_ops
+    from paged_kernels import triton_ops
 
     dtype = getattr(torch, args.dtype)
     heads, kv_heads, head_dim, block_size = (

@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.model_files import resolve_model
 from engine.models.cpu_packing import Fp16Linear, pack_linear_layers
 from engine.models.quantization import quantize_linear_layers
-from kernels.cpu_features import has_fbgemm_fp16
+from paged_kernels.cpu_features import has_fbgemm_fp16
 
 # variant name -> LLM keyword arguments
 VARIANTS: dict[str, dict[str, object]] = {

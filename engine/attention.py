@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import KernelBackend, KernelPlan
-from kernels.checks import HostTables
+from paged_kernels.backend import KernelBackend, KernelPlan
+from paged_kernels.checks import HostTables
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_features import cpu_flags, cpu_vendor, has_fbgemm_fp16
+from paged_kernels.cpu_features import cpu_flags, cpu_vendor, has_fbgemm_fp16
 
 _BYTE_UNITS = {
     "": 1, "b": 1,

@@ -23,8 +23,8 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cache_engine import CacheEngine
 from engine.models.llama import LlamaForCausalLM
-from kernels.backend import KernelBackend, KernelPlan
-from kernels.checks import HostTables, check_host_tables
+from paged_kernels.backend import KernelBackend, KernelPlan
+from paged_kernels.checks import HostTables, check_host_tables
 
 SMALL_CAPTURE_SIZES = (1, 2, 4)
 CAPTURE_SIZE_STEP = 8  # past the small sizes, every multiple of 8 (vLLM's choice)

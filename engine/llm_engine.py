@@ -30,7 +30,7 @@ from engine.sequence import SequenceGroup
 from engine.stats import EngineStats, snapshot
 from engine.step_sampler import StepSampler
 from engine.structured_output import GrammarCompiler
-from kernels import select_backend
+from paged_kernels import select_backend
 
 logger = logging.getLogger(__name__)
 

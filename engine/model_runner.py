@@ -12,7 +12,7 @@ from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import PromptLogprob, PromptRows
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from kernels.checks import HostTables
+from paged_kernels.checks import HostTables
 
 
 def _padded(rows: list[list[int]]) -> tuple[list[int], int]:

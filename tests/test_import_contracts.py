@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
-PACKAGES = ("cli", "core", "api", "worker", "engine", "kernels")
+PACKAGES = ("cli", "core", "api", "worker", "engine", "paged_kernels")
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:

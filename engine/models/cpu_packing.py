@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
-from kernels.cpu_features import fp16_weights_are_faster
+from paged_kernels.cpu_features import fp16_weights_are_faster
 
 FP16_HEAD_MAX_ROWS = 16  # the most rows for which fbgemm's fp16 LM head beat oneDNN's fp32 (see above)
 

@@ -11,10 +11,11 @@ from transformers import PretrainedConfig
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.rotary import RotaryEmbedding, apply_rotary
-from kernels.backend import KernelBackend
+from paged_kernels.backend import KernelBackend
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
-FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})  # what kernels/csrc/layer_ops_cpu.cpp takes
+# what paged_kernels/csrc/layer_ops_cpu.cpp takes
+FUSED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 class RMSNorm(nn.Module):
@@ -154,8 +155,9 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_cpu_layer_ops(self, fused_ops: ModuleType) -> None:
         """Run the norms (with the residual adds), the rotary embedding and the MLP's SiLU through the CPU's compiled
-        layer ops (``kernels.cpu_extension``): fp32, bf16 or fp16 models on the CPU, not token-exact with transformers
-        (the norm sums in another order, and reduced precision rounds once per result instead of per op)."""
+        layer ops (``paged_kernels.cpu_extension``): fp32, bf16 or fp16 models on the CPU, not token-exact with
+        transformers (the norm sums in another order, and reduced precision rounds once per result
+        instead of per op)."""
         weight = self.embed_tokens.weight
         if weight.dtype not in FUSED_DTYPES or weight.device.type != "cpu":
             raise ValueError(f"the CPU's fused layer ops run {sorted(map(str, FUSED_DTYPES))} models on the CPU "

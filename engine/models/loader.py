@@ -12,7 +12,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from engine.models.cpu_packing import pack_linear_layers, packed_layer_type
 from engine.models.llama import FUSED_DTYPES, LlamaForCausalLM
 from engine.models.quantization import quantize_linear_layers
-from kernels.backend import KernelBackend
+from paged_kernels.backend import KernelBackend
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 # fused parameter -> the checkpoint's separate projections, concatenated along the output dim

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import config
-from kernels import cpu_features
+from paged_kernels import cpu_features
 
 CPU = torch.device("cpu")
 

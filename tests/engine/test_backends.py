@@ -9,7 +9,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # must be set before kernels.triton_ops defines its kernels; the interpreter runs them on CPU
+    # must be set before paged_kernels.triton_ops defines its kernels; the interpreter runs them on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import LLM, SamplingParams  # noqa: E402

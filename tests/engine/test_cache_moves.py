@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.cache_engine import CacheEngine
-from kernels import reference
+from paged_kernels import reference
 
 NUM_LAYERS = 3
 CUDA = torch.cuda.is_available()

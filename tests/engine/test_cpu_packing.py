@@ -17,7 +17,7 @@ from benchmarks import numerics
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import cpu_packing, loader
-from kernels import cpu_features, reference
+from paged_kernels import cpu_features, reference
 
 CPU = torch.device("cpu")
 BF16_PACKS = cpu_packing.packed_layer_type(torch.bfloat16, CPU) is not None

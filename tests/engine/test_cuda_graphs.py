@@ -15,7 +15,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.triton_ops defines its kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before paged_kernels.triton_ops defines its kernels
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -28,7 +28,7 @@ from engine.cuda_graphs import (  # noqa: E402
     padded_batch_size,
     uses_cuda_graphs,
 )
-from kernels.checks import HostTables  # noqa: E402
+from paged_kernels.checks import HostTables  # noqa: E402
 from tests.engine.test_device_syncs import READ_BACKS, ReadBackCounter  # noqa: E402
 
 BLOCK_SIZE = 8

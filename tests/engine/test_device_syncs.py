@@ -2,7 +2,7 @@
 
 On a CUDA device every read-back (``.item()``, ``.tolist()``, ``bool(tensor)``, boolean-mask
 indexing...) stalls the host until the GPU has caught up. This CPU test counts the calls that
-would do so, made by engine/ and kernels/ code during one decode step with the Triton backend
+would do so, made by engine/ and paged_kernels/ code during one decode step with the Triton backend
 (run by Triton's interpreter here; the interpreter's own copies are not the engine's).
 """
 
@@ -20,13 +20,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 if not torch.cuda.is_available():
-    # must be set before kernels.triton_ops defines its kernels; the interpreter runs them on CPU
+    # must be set before paged_kernels.triton_ops defines its kernels; the interpreter runs them on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import LLM, SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-COUNTED_DIRS = (str(REPO / "engine") + os.sep, str(REPO / "kernels") + os.sep)
+COUNTED_DIRS = (str(REPO / "engine") + os.sep, str(REPO / "paged_kernels") + os.sep)
 TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 # Tensor methods that copy device data to the host and so wait for the device.
 READ_BACKS = frozenset({
@@ -44,7 +44,7 @@ def _is_mask(value: Any) -> bool:
 
 
 def _caller(frame: FrameType | None) -> str | None:
-    """``file:line function`` of the first frame outside torch and this test, if it is engine/ or kernels/ code."""
+    """``file:line function`` of the first frame outside torch and this test, if engine/ or paged_kernels/ code."""
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(TORCH_DIR) and name != __file__:
@@ -56,7 +56,7 @@ def _caller(frame: FrameType | None) -> str | None:
 
 
 class ReadBackCounter(TorchFunctionMode):
-    """Counts, by call site, the torch calls from engine/ and kernels/ that read device data back (or, with
+    """Counts, by call site, the torch calls from engine/ and paged_kernels/ that read device data back (or, with
     other ``names``, those calls)."""
 
     def __init__(self, names: frozenset[str] = READ_BACKS) -> None:
@@ -109,7 +109,7 @@ def test_a_decode_step_reads_back_only_the_sampled_tokens(tiny_model_dir: Path) 
 
 def test_the_counter_sees_the_read_back_of_an_unplanned_decode() -> None:
     # without a plan, decode must read the context lengths back to size its grid
-    from kernels import triton_ops
+    from paged_kernels import triton_ops
 
     cache = torch.zeros(4, 8, 1, 16)
     counter = ReadBackCounter()
@@ -118,7 +118,7 @@ def test_the_counter_sees_the_read_back_of_an_unplanned_decode() -> None:
             torch.zeros(1, 2, 16), cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 0.25,
         )
     assert sum(counter.sites.values()) == 1, dict(counter.sites)
-    assert all(site.startswith("kernels/checks.py") for site in counter.sites)
+    assert all(site.startswith("paged_kernels/checks.py") for site in counter.sites)
 
 
 def test_steps_that_swap_and_copy_blocks_read_back_only_the_sampled_tokens(tiny_model_dir: Path) -> None:

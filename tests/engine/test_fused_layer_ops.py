@@ -12,7 +12,7 @@ import torch
 from engine import LLM
 from engine.models.llama import LlamaMLP, RMSNorm
 from engine.models.rotary import apply_rotary
-from kernels.cpu_extension import cpu_kernels
+from paged_kernels.cpu_extension import cpu_kernels
 
 
 @pytest.fixture(scope="module")

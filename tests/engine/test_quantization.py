@@ -15,7 +15,7 @@ from core.settings import Settings
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models import quantization
-from kernels.cpu_features import has_fbgemm_fp16
+from paged_kernels.cpu_features import has_fbgemm_fp16
 from worker.service import engine_kwargs
 
 

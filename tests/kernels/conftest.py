@@ -15,7 +15,7 @@ import torch
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
-    # Must be set before any @triton.jit body is defined, i.e. before kernels.triton_ops loads.
+    # Must be set before any @triton.jit body is defined, i.e. before paged_kernels.triton_ops loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # On a CUDA machine every kernel test runs compiled on the GPU; elsewhere interpreted on the CPU.
@@ -95,6 +95,6 @@ def assert_matches() -> Callable[[torch.Tensor, torch.Tensor], None]:
 @pytest.fixture(scope="session")
 def triton_ops() -> ModuleType:
     """The Triton backend module (interpreted on CPU-only machines)."""
-    from kernels import triton_ops
+    from paged_kernels import triton_ops
 
     return triton_ops

@@ -7,8 +7,8 @@ import inspect
 import pytest
 import torch
 
-from kernels import select_backend
-from kernels.backend import KernelBackend
+from paged_kernels import select_backend
+from paged_kernels.backend import KernelBackend
 
 CONTRACT = [name for name, member in vars(KernelBackend).items()
             if inspect.isfunction(member) and not name.startswith("_")]

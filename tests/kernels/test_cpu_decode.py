@@ -7,10 +7,10 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import cpu_ops, reference, select_backend
-from kernels.checks import HostTables
-from kernels.cpu_extension import SOURCES, build_kernels, cpu_kernels
-from kernels.cpu_features import cpu_flags
+from paged_kernels import cpu_ops, reference, select_backend
+from paged_kernels.checks import HostTables
+from paged_kernels.cpu_extension import SOURCES, build_kernels, cpu_kernels
+from paged_kernels.cpu_features import cpu_flags
 
 # x86-64-v3: AVX2, FMA and F16C without AVX-512 (the kernels' one-head-per-pass path and their AVX2 conversions)
 AVX2_FLAGS = {"avx2", "fma", "f16c"}

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kernels import reference
+from paged_kernels import reference
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

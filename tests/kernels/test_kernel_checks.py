@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.checks import HostTables
+from paged_kernels import reference
+from paged_kernels.checks import HostTables
 
 
 @pytest.fixture(params=["reference", "triton"])

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton_decode import REDUCE_CHUNK
+from paged_kernels import reference
+from paged_kernels.triton_decode import REDUCE_CHUNK
 
 SCALE = 0.125
 

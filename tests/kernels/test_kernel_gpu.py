@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from paged_kernels import reference
 
 pytestmark = [
     pytest.mark.gpu,

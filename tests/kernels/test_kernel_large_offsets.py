@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from paged_kernels import reference
 
 BLOCK_SIZE, HEAD_DIM = 16, 64
 BLOCK_NUMEL = BLOCK_SIZE * HEAD_DIM

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.launch import (
+from paged_kernels.launch import (
     INTERPRETER_LIMITS,
     MAX_PARTITION_TOKENS,
     MAX_STAGES,
@@ -160,7 +160,7 @@ def test_a_batch_that_fills_the_sms_alone_runs_one_partition():
 
 def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
     # A constexpr partition length or count would recompile the kernels as contexts grow.
-    from kernels import triton_decode
+    from paged_kernels import triton_decode
 
     for kernel in (triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel):
         params = inspect.signature(kernel.fn).parameters

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from paged_kernels import reference
 
 
 def naive_prefill(query, key_cache, value_cache, tables, starts, lens, scale):  # type: ignore[no-untyped-def]

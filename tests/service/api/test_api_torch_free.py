@@ -14,7 +14,7 @@ from cli.main import settings_env
 from core.settings import Settings
 from tests.service.procs import free_port, stop, wait_until
 
-HEAVY_MODULES = ("torch", "transformers", "engine", "kernels")
+HEAVY_MODULES = ("torch", "transformers", "engine", "paged_kernels")
 # Runs in a fresh interpreter: build the app, accept a job and judge a completion's prompt (the tokenizer's path).
 SERVE_WITHOUT_TORCH = """
 import sys

@@ -7,8 +7,8 @@ from typing import cast
 
 import torch
 
-from kernels import reference
-from kernels.backend import KernelBackend
+from paged_kernels import reference
+from paged_kernels.backend import KernelBackend
 
 BACKENDS = ("cpu", "torch", "triton")
 
@@ -27,11 +27,11 @@ def select_backend(device: torch.device, requested: str | None = None) -> Kernel
     if name == "torch":
         return cast(KernelBackend, reference)
     if name == "cpu":
-        from kernels import cpu_ops
-        from kernels.cpu_extension import cpu_kernels
+        from paged_kernels import cpu_ops
+        from paged_kernels.cpu_extension import cpu_kernels
 
         cpu_kernels()  # built (once per machine) or loaded now, at engine start, not in the first decode step
         return cast(KernelBackend, cpu_ops)
-    from kernels import triton_ops  # imported lazily: triton is optional on CPU machines
+    from paged_kernels import triton_ops  # imported lazily: triton is optional on CPU machines
 
     return cast(KernelBackend, triton_ops)

@@ -1,6 +1,6 @@
 // Element-wise math written so that GCC vectorizes the loops that call it (glibc's expf is a scalar call, and
 // c10's bf16 conversions copy through a struct), for the kernels that follow this file in the one translation
-// unit kernels/cpu_extension.py builds: the exponential for the decode softmax and the SiLU, the conversions for
+// unit paged_kernels/cpu_extension.py builds: the exponential for the decode softmax and the SiLU, the conversions for
 // every bf16 row the kernels read or write.
 #include <c10/util/BFloat16.h>
 

@@ -1,4 +1,5 @@
-"""The kernel backend contract: what ``select_backend`` returns (``kernels.reference`` or ``kernels.triton_ops``).
+"""The kernel backend contract: what ``select_backend`` returns (``paged_kernels.reference`` or
+``paged_kernels.triton_ops``).
 
 Plans are opaque to the engine: a backend's ``plan_decode``/``plan_prefill`` make one per step and the first
 layer's plan goes back to the same backend's attention call in every layer (``AttentionMetadata``).
@@ -12,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.checks import HostTables
+from paged_kernels.checks import HostTables
 
 KernelPlan = object  # made and read by one backend only; the engine only carries it from layer to layer
 

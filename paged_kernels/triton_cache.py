@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache_write, check_copy
-from kernels.launch import next_power_of_2
+from paged_kernels.checks import check_cache_write, check_copy
+from paged_kernels.launch import next_power_of_2
 
 COPY_CHUNK = 1024  # cache elements copied per program
 

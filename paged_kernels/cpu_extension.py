@@ -1,4 +1,4 @@
-"""The CPU's compiled kernels (``kernels/csrc/``), built once per machine by torch's C++ extension tooling.
+"""The CPU's compiled kernels (``paged_kernels/csrc/``), built once per machine by torch's C++ extension tooling.
 
 No maintained library ships a paged decode attention, or fused norms, rotary embedding and SiLU, for torch's CPU
 build (vLLM's and IPEX's are tied to their own builds and torch versions; torch's own ``rms_norm`` is
@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
-from kernels.cpu_features import cpu_flags
+from paged_kernels.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.checks import (
+from paged_kernels.checks import (
     HostTables,
     check_attention_inputs,
     check_cache_write,
@@ -24,7 +24,7 @@ from kernels.checks import (
     check_prefill,
     check_swap,
 )
-from kernels.cpu_features import has_amx_for
+from paged_kernels.cpu_features import has_amx_for
 
 
 def reshape_and_cache(

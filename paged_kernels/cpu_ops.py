@@ -1,4 +1,4 @@
-"""CPU backend: ``kernels.reference`` with decode attention replaced by the compiled paged kernel.
+"""CPU backend: ``paged_kernels.reference`` with decode attention replaced by the compiled paged kernel.
 
 The kernel reads each sequence's K/V rows in place through its block table, where the reference gathers
 every context into a fresh tensor per layer and then runs SDPA over it. Where the kernel cannot be built, decode
@@ -14,10 +14,10 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels.checks import HostTables, check_attention_inputs, check_decode
-from kernels.cpu_extension import cpu_kernels
-from kernels.reference import (
+from paged_kernels import reference
+from paged_kernels.checks import HostTables, check_attention_inputs, check_decode
+from paged_kernels.cpu_extension import cpu_kernels
+from paged_kernels.reference import (
     copy_blocks,
     paged_prefill_attention,
     plan_decode_static,
@@ -78,7 +78,7 @@ def paged_attention_decode(
     scale: float,
     plan: CompiledDecodePlan | reference.AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """``kernels.reference.paged_attention_decode``'s contract, computed by the compiled kernel."""
+    """``paged_kernels.reference.paged_attention_decode``'s contract, computed by the compiled kernel."""
     if plan is None:
         plan = plan_decode(query, key_cache, value_cache, block_tables, context_lens)
     if isinstance(plan, reference.AttentionPlan):

@@ -2,7 +2,7 @@
 
 Each program handles one (sequence, KV head, partition of context positions) and all query
 heads of that KV head's group at once, so GQA/MQA read every key once. The partition length is
-chosen per step from the SM count (``kernels.launch.choose_partition_tokens``) and passed as a
+chosen per step from the SM count (``paged_kernels.launch.choose_partition_tokens``) and passed as a
 plain argument: launch sizes come from host values only, and no size is a compile-time constant
 that would recompile the kernels as contexts grow. ``plan_decode_static`` sizes the grid from the
 block tables' capacity instead of the step's longest context, so a CUDA graph can replay it.
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import HostTables, check_attention_inputs, check_decode, check_decode_shapes
-from kernels.launch import (
+from paged_kernels.checks import HostTables, check_attention_inputs, check_decode, check_decode_shapes
+from paged_kernels.launch import (
     MIN_DOT_ROWS,
     LaunchConfig,
     choose_launch,
@@ -28,7 +28,7 @@ from kernels.launch import (
     next_power_of_2,
     tile_tokens,
 )
-from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
+from paged_kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
 
 REDUCE_CHUNK = 16  # partition results the merge kernel reads per loop iteration
 

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import HostTables, check_attention_inputs, check_prefill
-from kernels.launch import PrefillTiles, choose_prefill_tiles, device_limits, next_power_of_2
-from kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
+from paged_kernels.checks import HostTables, check_attention_inputs, check_prefill
+from paged_kernels.launch import PrefillTiles, choose_prefill_tiles, device_limits, next_power_of_2
+from paged_kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
 
 
 @triton.jit

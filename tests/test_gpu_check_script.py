@@ -1,0 +1,46 @@
+"""scripts/gpu_check.sh stays in step with the code: its Python helpers compile, and every name they import from
+pagedserve's packages exists (the GPU machine is lent rarely; a stale import would waste its one run)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+OWN_PACKAGES = ("engine", "paged_kernels", "core")
+
+
+def _python_helpers() -> dict[str, str]:
+    """The heredocs the script writes out as Python files, by file name."""
+    found = re.findall(r'cat > "\$W/(\w+\.py)" <<\'EOF\'\n(.*?)\nEOF\n', SCRIPT.read_text(), re.S)
+    return dict(found)
+
+
+def test_the_script_parses_as_bash() -> None:
+    result = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_script_writes_its_python_helpers() -> None:
+    assert set(_python_helpers()) == {"smoke.py", "e2e.py", "micro.py"}
+
+
+@pytest.mark.parametrize(("name", "source"), sorted(_python_helpers().items()))
+def test_helper_imports_exist(name: str, source: str) -> None:
+    tree = ast.parse(source, filename=name)
+    checked = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OWN_PACKAGES:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name) or importlib.util.find_spec(f"{node.module}.{alias.name}"), (
+                    f"{name}: {node.module} has no {alias.name}")
+                checked += 1
+    assert checked, f"{name} imports nothing of pagedserve: the pattern no longer finds its imports"
