@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from api.errors import ApiError
 from api.jobs import build_job
-from api.openai_errors import validation_errors
+from api.openai_errors import openai_error, validation_errors
 from api.openai_files import jsonl_lines
 from api.openai_schemas import REQUEST_SCHEMAS, openai_named
 from api.schemas import is_storable
@@ -80,5 +80,5 @@ def build_line(key: ApiKey, number: int, line: dict[str, Any], endpoint: str, ba
         return BatchLine(number, custom_id, None, error_object(400, message, param))
     except ApiError as exc:
         named = openai_named(exc, request.sent_as() if request is not None else None)  # as the endpoint names it
-        return BatchLine(number, custom_id, None, error_object(400, named.message, named.field))
+        return BatchLine(number, custom_id, None, openai_error(named))
     return BatchLine(number, custom_id, job, None)

@@ -27,11 +27,19 @@ def validation_errors(errors: list[Any]) -> tuple[str, str | None]:
     return "; ".join(messages), field_name(errors[0]) if errors else None
 
 
-def _api_error(exc: ApiError) -> JSONResponse:
-    # The job API answers 422 for invalid input; OpenAI clients expect 400 there.
-    status_code = 400 if exc.status_code == 422 else exc.status_code
+def openai_status(exc: ApiError) -> int:
+    """The status an OpenAI client gets for an ApiError: the job API's 422 for invalid input is OpenAI's 400."""
+    return 400 if exc.status_code == 422 else exc.status_code
+
+
+def openai_error(exc: ApiError) -> dict[str, Any]:
+    """The OpenAI error object of an ApiError; an unknown model has OpenAI's code."""
     code = "model_not_found" if exc.field == "model" and exc.status_code == 404 else None
-    response = error_response(status_code, exc.message, exc.field, code)
+    return error_object(openai_status(exc), exc.message, exc.field, code)
+
+
+def _api_error(exc: ApiError) -> JSONResponse:
+    response = JSONResponse({"error": openai_error(exc)}, status_code=openai_status(exc))
     response.headers.update(exc.headers or {})  # Retry-After of a 429 or 503
     return response
 

@@ -349,6 +349,8 @@ class ChatMessageIn(OpenAIBody):
                 "name": call.function.name, "arguments": call.function.arguments}} for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
 
 

@@ -200,6 +200,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool"]
     content: StorableStr = Field(max_length=400_000)
+    name: StorableStr | None = Field(None, min_length=1, max_length=256)  # the speaker, for templates that show it
     tool_calls: list[ToolCallIn] | None = Field(None, min_length=1, max_length=128)
     tool_call_id: StorableStr | None = Field(None, min_length=1, max_length=256)
 

@@ -37,10 +37,15 @@ def _client(settings: Settings, args: argparse.Namespace) -> httpx.Client:
     if not token and key_file.exists():
         token = key_file.read_text().strip()
     base_url = args.api_url or f"http://{settings.host}:{settings.port}"
-    return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=base_url, headers=headers, timeout=60)
 
 
 def _check(response: httpx.Response) -> Any:
+    if response.status_code == 401:
+        sent = "the key sent was refused" if response.request.headers.get("Authorization") else "no key was sent"
+        sys.exit(f"error 401: {response.text}\n{sent}: pass --api-key KEY or set PAGEDSERVE_API_KEY (a token the "
+                 "server was started with, or one from `pagedserve keys create`)")
     if response.is_error:
         sys.exit(f"error {response.status_code}: {response.text}")
     return response.json()

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.models import Batch, BatchRequest, Job, JobStatus
-from core.openai_responses import error_object, job_failure, response_body, served_model_id
+from core.openai_responses import error_object, error_status, job_failure, response_body, served_model_id
 
 
 def _result(
@@ -18,8 +18,8 @@ def _result(
     """(succeeded, output line) of one request line."""
     line: dict[str, Any] = {"id": f"batch_req_{request.id}", "custom_id": request.custom_id}
     if request.error is not None:
-        body = {"error": request.error}
-        return False, {**line, "response": {"status_code": 400, "request_id": None, "body": body}, "error": None}
+        response = {"status_code": error_status(request.error), "request_id": None, "body": {"error": request.error}}
+        return False, {**line, "response": response, "error": None}
     assert job is not None
     problem = job_failure(job)
     if problem is None:

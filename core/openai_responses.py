@@ -44,6 +44,13 @@ def error_object(status_code: int, message: str, param: str | None, code: str | 
     return {"message": message, "type": error_type, "param": param, "code": code}
 
 
+def error_status(error: dict[str, Any]) -> int:
+    """The HTTP status an error object from ``error_object`` stands for (400 for every invalid request)."""
+    if error["type"] == "server_error":
+        return 500
+    return next((status for status, kind in _ERROR_TYPES.items() if kind == error["type"] and status != 413), 400)
+
+
 def job_failure(job: Job) -> JobFailure | None:
     """Why a final job has no answer for its client, or None when it succeeded."""
     if job.status is JobStatus.succeeded:

@@ -18,11 +18,13 @@ from worker.reaper import Reaper
 OUTPUT = [{"index": 0, "text": " fox", "token_ids": [7], "finish_reason": "length", "logprobs": None}]
 
 
-def _create(client: TestClient, headers: dict[str, str], num_lines: int) -> tuple[dict[str, Any], list[str]]:
-    """A batch of num_lines completions and its job ids in line order."""
+def _create(client: TestClient, headers: dict[str, str], num_lines: int,
+            bodies: dict[int, dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """A batch of num_lines completions (line i's body updated by ``bodies[i]``) and its job ids in line order."""
     model = client.get("/v1/models", headers=headers).json()["data"][0]["id"]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": model, "prompt": "the quick", "max_tokens": 1}} for i in range(num_lines)]
+              "body": {"model": model, "prompt": "the quick", "max_tokens": 1, **(bodies or {}).get(i, {})}}
+             for i in range(num_lines)]
     content = "\n".join(json.dumps(line) for line in lines).encode()
     upload = client.post("/v1/files", headers=headers, data={"purpose": "batch"},
                          files={"file": ("in.jsonl", content, "application/jsonl")})
@@ -83,6 +85,24 @@ def test_a_batch_completes_when_its_last_job_ends_without_being_read(
     assert stored.finalizing_at <= stored.completed_at
     lines = _lines(client, auth_headers, stored.output_file_id)
     assert [line["custom_id"] for line in lines] == ["r0", "r1", "r2"]
+
+
+def test_a_lines_error_has_the_status_and_code_the_endpoint_would_have_answered(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    batch, job_ids = _create(client, auth_headers, 3, {1: {"model": "no-such-model"}, 2: {"temperature": -3}})
+    (job_id,) = [job_id for job_id in job_ids if job_id != "None"]
+    _run(job_id)
+    with session_factory()() as session:
+        batch_progress.refresh_batch_of_job(session, job_id)
+    stored = _stored(batch["id"])
+    assert stored.status is BatchStatus.completed and stored.error_file_id
+    unknown, invalid = _lines(client, auth_headers, stored.error_file_id)
+    assert unknown["response"]["status_code"] == 404
+    assert unknown["response"]["body"]["error"] | {"message": ""} == {
+        "message": "", "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    assert invalid["response"]["status_code"] == 400
+    assert invalid["response"]["body"]["error"]["param"] == "temperature"
 
 
 def test_a_batch_past_its_window_expires_with_partial_output_and_its_unfinished_jobs_cancelled(

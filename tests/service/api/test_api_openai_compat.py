@@ -391,6 +391,24 @@ def test_text_parts_join_with_newlines_as_vllm_renders_them() -> None:
     assert request.messages[0].as_job_message() == {"role": "user", "content": "first\nsecond"}
 
 
+def test_a_messages_name_reaches_the_chat_template(service_settings: Settings, auth_headers: dict[str, str]) -> None:
+    template = "{% for m in messages %}{{ m.name or '-' }}:{{ m.content }};{% endfor %}"
+    messages = [{"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "yo"}]
+    try:
+        with TestClient(create_app(service_settings.model_copy(update={"chat_template": template}))) as client:
+            tokens = client.post("/tokenize", json={"messages": messages}, headers=auth_headers).json()["tokens"]
+            text = client.post("/detokenize", json={"tokens": tokens}, headers=auth_headers).json()["prompt"]
+            assert text == "ada:hi;-:yo;"
+            job = client.post("/v1/jobs", json={"messages": messages, "max_tokens": 1}, headers=auth_headers)
+            assert job.status_code == 202, job.text
+            shown = client.get(f"/v1/jobs/{job.json()['id']}", headers=auth_headers).json()
+            assert shown["messages"][0]["name"] == "ada"
+            empty = client.post("/v1/jobs", json={"messages": [{**messages[0], "name": ""}]}, headers=auth_headers)
+            assert empty.status_code == 422 and empty.json()["error"]["field"] == "messages.0.name"
+    finally:
+        configure(service_settings)
+
+
 def test_tokenize_shows_the_tools_to_the_chat_template(
     service_settings: Settings, auth_headers: dict[str, str]
 ) -> None:
