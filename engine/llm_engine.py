@@ -77,6 +77,7 @@ class LLMEngine:
         self.limits = ModelLimits(
             vocab_size=model_config.vocab_size, max_model_len=self.max_model_len, block_size=config.block_size,
             max_kv_blocks=self.num_gpu_blocks - self.block_manager.watermark_blocks, max_num_seqs=config.max_num_seqs,
+            eos_token_ids=frozenset(self.eos_token_ids),
         )
         token_budget = config.max_num_batched_tokens or (
             DEFAULT_TOKEN_BUDGET if config.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, self.max_model_len)

@@ -22,6 +22,8 @@ class ModelLimits:
     max_kv_blocks: int
     # sequences one engine step runs: a request's samples or beams must fit in one step together
     max_num_seqs: int
+    # the model's end-of-sequence tokens, which min_tokens holds back like stop_token_ids
+    eos_token_ids: frozenset[int] = frozenset()
 
     def kv_blocks_needed(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Blocks a request needs at worst: its prompt plus every sample or beam at full length."""
@@ -44,6 +46,11 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, li
     _check_token_ids("stop_token_ids", params.stop_token_ids, limits.vocab_size)
     _check_token_ids("logit_bias", list(params.logit_bias or {}), limits.vocab_size)
     _check_token_ids("allowed_token_ids", params.allowed_token_ids or [], limits.vocab_size)
+    if params.min_tokens and params.allowed_token_ids is not None:
+        held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else limits.eos_token_ids)
+        if set(params.allowed_token_ids) <= held_back:
+            raise ValueError(f"allowed_token_ids holds only stop tokens (EOS or stop_token_ids), which min_tokens "
+                             f"({params.min_tokens}) holds back: no token could be sampled")
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > limits.vocab_size:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.detokenizer import decode_new_text, start_offsets
 from engine.sequence import Sequence
 from tests.engine.hf_reference import hf_greedy, hf_logprobs
@@ -114,11 +114,23 @@ def test_a_requests_bias_and_allowed_tokens_become_tensors_once(llm: LLM) -> Non
 
 
 def test_a_row_with_every_allowed_token_masked_still_draws_an_allowed_one(llm: LLM) -> None:
-    (eos,) = llm.engine.eos_token_ids  # min_tokens masks the only allowed token: nothing is left to draw from
+    (allowed,) = llm.tokenizer.encode(" z")  # the grammar masks the only allowed token: nothing is left to draw from
     for temperature in (0.0, 1.0):
-        params = SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=4, temperature=temperature, seed=1)
+        params = SamplingParams(allowed_token_ids=[allowed], max_tokens=2, temperature=temperature, seed=1,
+                                ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=["yes"]))
         (out,) = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
-        assert out.token_ids == [eos, eos] and out.finish_reason == "stop"
+        assert out.token_ids[0] == allowed
+
+
+@pytest.mark.parametrize("stop_token_ids", [[], [7]])
+def test_min_tokens_with_only_stop_tokens_allowed_is_refused(llm: LLM, stop_token_ids: list[int]) -> None:
+    (eos,) = llm.engine.eos_token_ids  # min_tokens holds back every allowed token: no token could be sampled
+    params = SamplingParams(allowed_token_ids=[eos, *stop_token_ids], stop_token_ids=stop_token_ids, min_tokens=2)
+    with pytest.raises(ValueError, match="allowed_token_ids holds only stop tokens"):
+        llm.engine.add_request("held-back", PROMPT, params)
+    ignoring_eos = SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=3, ignore_eos=True)
+    (out,) = llm.generate([PROMPT], ignoring_eos, use_tqdm=False)[0].outputs
+    assert out.token_ids == [eos] * 3
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
