@@ -179,8 +179,9 @@ class LLMEngine:
         self._aborted.append(group)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting, running or swapped out."""
-        return self.scheduler.has_unfinished()
+        """True while any request is waiting, running or swapped out, or an aborted one's last output is still to
+        come from ``step``."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def num_running(self) -> int:
         """Sequences running now: ``stats().num_running`` without the rest of the snapshot."""

@@ -101,8 +101,8 @@ class CancelWatcher:
     def _stop(self, entry: _Watched, reason: Stop) -> None:
         if not self._forget(entry):  # the job ended since this pass read the registry
             return
+        entry.handle.outputs.put(reason)  # before the abort: the request's last output (abort) comes after it
         entry.abort(entry.handle.request_id)
-        entry.handle.outputs.put(reason)
 
     def _forget(self, entry: _Watched) -> bool:
         with self._lock:

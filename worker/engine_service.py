@@ -126,7 +126,7 @@ class EngineService:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            if self._handles.pop(command.request_id, None) is not None:
+            if command.request_id in self._handles:  # its last output (abort) reaches the handle with the next step
                 self.engine.abort_request(command.request_id)
             return
         try:

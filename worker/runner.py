@@ -5,6 +5,8 @@ drain's deadline reach it through the process's cancel watcher, worker/cancel_wa
 from __future__ import annotations
 
 import logging
+import queue
+import time
 from typing import Any
 
 from sqlalchemy import update
@@ -21,6 +23,7 @@ from worker.engine_service import EngineService, RequestHandle
 from worker.token_stream import prompt_scores, request_id_for, stored_logprobs
 
 logger = logging.getLogger("pagedserve.worker")
+ABORTED_OUTPUT_WAIT_S = 5.0  # the engine reports an aborted request's last output with its next step (milliseconds)
 
 
 def _claimable_from(job: Job) -> set[JobStatus]:
@@ -59,13 +62,50 @@ def _choices(output: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _finish(job: Job, to: JobStatus, **fields: Any) -> None:
+def _finish(job: Job, to: JobStatus, **fields: Any) -> bool:
+    """Record the run's end; False if the job is no longer this run's (cancelled, or taken away by the reaper)."""
     # Fenced by worker and attempt: a result from a run the reaper took away is dropped, not recorded.
     expected = {"worker_id": job.worker_id, "attempts": job.attempts}
     with session_factory()() as session:
         if transition(session, job.id, to, {JobStatus.running}, expected, **fields) is None:
             log_event(logger, "job.result_dropped", job_id=job.id, attempt=job.attempts,
                       reason="no longer this run's (cancelled or requeued)")
+            return False
+    return True
+
+
+def _result_fields(output: Any) -> dict[str, Any]:
+    choices = _choices(output)
+    return {"output": choices, "completion_tokens": sum(len(c["token_ids"]) for c in choices),
+            "prompt_tokens": len(output.prompt_token_ids)}
+
+
+def _keep_cancelled_output(job: Job, output: Any | None) -> None:
+    """A job cancelled while this run held it keeps what the run generated (finish_reason ``abort`` where the
+    request was stopped), as vLLM reports an aborted request's text; its state stays cancelled."""
+    if output is None:
+        return
+    this_run = (Job.id == job.id) & (Job.status == JobStatus.cancelled) & (Job.worker_id == job.worker_id) & (
+        Job.attempts == job.attempts)
+    with session_factory()() as session:
+        session.execute(update(Job).where(this_run).values(**_result_fields(output)))
+        session.commit()
+
+
+def _aborted_output(handle: RequestHandle) -> Any | None:
+    """The engine's last output of the request the watcher aborted, which it reports on its next turn."""
+    deadline = time.monotonic() + ABORTED_OUTPUT_WAIT_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            item = handle.outputs.get(timeout=left)
+        except queue.Empty:
+            break
+        if isinstance(item, Exception):
+            break
+        if not isinstance(item, Stop) and item.finished:
+            return item
+    log_event(logger, "job.aborted_output_missing", request_id=handle.request_id)
+    return None
 
 
 def _mark_first_token(job_id: str) -> None:
@@ -98,8 +138,9 @@ def _follow(job: Job, handle: RequestHandle) -> None:
     first_token_seen = False
     while True:
         item = handle.outputs.get()
-        if item is Stop.CANCELLED:  # the watcher has aborted the request; the API has set the job's state
+        if item is Stop.CANCELLED:  # the watcher is aborting the request; the API has set the job's state
             log_event(logger, "job.aborted", job_id=job.id, request_id=handle.request_id)
+            _keep_cancelled_output(job, _aborted_output(handle))
             return
         if item is Stop.DRAIN_OVERDUE:  # shutting down and out of grace: another worker runs it from the start
             drain.requeue(job)
@@ -112,8 +153,6 @@ def _follow(job: Job, handle: RequestHandle) -> None:
             first_token_seen = True
             _mark_first_token(job.id)
         if item.finished:
-            choices = _choices(item)
-            completion_tokens = sum(len(c["token_ids"]) for c in choices)
-            _finish(job, JobStatus.succeeded, output=choices, completion_tokens=completion_tokens,
-                    prompt_tokens=len(item.prompt_token_ids))
+            if not _finish(job, JobStatus.succeeded, **_result_fields(item)):
+                _keep_cancelled_output(job, item)  # it finished as the cancel came
             return

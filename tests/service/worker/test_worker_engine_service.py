@@ -54,6 +54,8 @@ def test_abort_frees_the_request_blocks_within_a_second(service: EngineService) 
     while time.monotonic() < deadline and engine.stats().kv_cache_usage > 0.0:
         time.sleep(0.01)
     assert engine.stats().kv_cache_usage == 0.0 and engine.stats().num_running == 0
+    last = _collect(handle)  # the request's last output, with what it generated before the abort
+    assert last.finished and last.outputs[0].finish_reason == "abort" and last.outputs[0].token_ids
 
 
 def test_a_request_that_breaks_a_step_fails_on_its_handle_only(service: EngineService) -> None:

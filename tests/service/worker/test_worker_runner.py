@@ -84,9 +84,16 @@ def test_cancelling_a_running_job_aborts_it_mid_generation_and_frees_its_blocks(
     wait_until(lambda: service.engine.stats().kv_cache_usage == 0.0, 60, "the aborted request's blocks to be freed")
     # the engine stopped generating where the job was cancelled, rather than running it to its end
     assert service.engine.stats().generation_tokens - generated_before < 400
+    # it keeps what it generated until then, as vLLM reports an aborted request: the tokens streamed, and maybe more
     job = _job(service_settings, auth_headers, job_id)
-    assert job["status"] == "cancelled" and job["choices"] is None
-
+    assert job["status"] == "cancelled" and job["finished_at"] is not None
+    (choice,) = job["choices"]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 400
+    assert job["completion_tokens"] == len(choice["token_ids"]) and job["text"] == choice["text"]
+    entries = streams.redis_client().xrange(streams.events_key(job_id))
+    tokens = [json.loads(fields["data"]) for _, fields in entries if fields["type"] == "token"]
+    streamed = [i for token in tokens for i in token["token_ids"]]
+    assert streamed and choice["token_ids"][:len(streamed)] == streamed
 
 
 def test_beam_search_job_returns_its_beams_best_first(
