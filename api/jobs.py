@@ -21,6 +21,7 @@ from core.lifecycle import job_created, transition
 from core.models import ApiKey, Job, JobStatus
 from core.prompts import PromptFieldError, PromptTooLongError, TokenIdError
 from core.settings import get_settings
+from core.structured_outputs import StructuredOutputError, grammar_of
 from core.webhook_urls import check_webhook_url
 
 _JOB_ID = re.compile(r"job_[0-9a-f]{32}")  # what core.models.new_id makes
@@ -57,6 +58,11 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
             model.check_token_ids(token_ids or [], field_prefix + name)
         except TokenIdError as exc:
             raise ApiError(422, str(exc), field_prefix + name) from exc
+    if body.structured_outputs is not None:
+        try:
+            grammar_of(body.structured_outputs.model_dump(by_alias=True))
+        except StructuredOutputError as exc:
+            raise ApiError(422, f"{field_prefix}{exc}", field_prefix + exc.field) from exc
     max_num_seqs = get_settings().max_num_seqs  # the workers' too where they share the settings (as under `up`)
     for name in ("n", "beam_width"):  # a worker refuses it too, but only once it takes the job (a stream has begun)
         if getattr(body, name) > max_num_seqs:

@@ -38,6 +38,9 @@ from core.openai_responses import (
 )
 
 DISCONNECT_CHECK_MS = 500
+# What a relay yields after an idle second: sent to no one (vLLM's streams hold only `data:` lines, and parsers
+# copied from its older benchmark scripts fail on an SSE comment), only a chance to notice a client that went away.
+IDLE = ""
 
 
 def _cancel_quietly(key: ApiKey, job_id: str) -> None:
@@ -161,8 +164,9 @@ class _JobRelay:
         return self._chunk(choices)
 
     async def lines(self) -> AsyncIterator[str]:
-        """Opening chunks (chat role, echoed prompt), one chunk per token delta, then the closing chunk. An echo
-        that scores its prompt waits for the scores, which come with the first tokens."""
+        """Opening chunks (chat role, echoed prompt), one chunk per token delta, then the closing chunk, with `IDLE`
+        after each idle second. An echo that scores its prompt waits for the scores, which come with the first
+        tokens."""
         indexes = [choice_index(self.job, self.prompt_index, i) for i in range(self.job.params["n"])]
         if self.endpoint == CHAT_COMPLETIONS:
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -174,7 +178,7 @@ class _JobRelay:
         async with aclosing(follow_job(self.job.id)) as events:
             async for event in events:
                 if event is None:
-                    yield ": keep-alive\n\n"
+                    yield IDLE  # nothing to send: a chance to notice a client that went away
                 elif isinstance(event, TokenEvent):
                     if scored_echo and "prompt_logprobs" in event.delta:
                         yield self._echo_chunk(prompt, event.delta)
@@ -224,7 +228,8 @@ async def stream_jobs(
             async for line in relay.lines():
                 if await request.is_disconnected():
                     return
-                yield line
+                if line != IDLE:
+                    yield line
             relayed.add(job.id)  # final, or restarted and running on: not to be cancelled
             if not relay.ok:
                 break

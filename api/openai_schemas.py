@@ -13,6 +13,7 @@ from api.schemas import JobCreate, MetadataValue, StorableStr, StructuredOutputs
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
 from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import get_settings
+from core.structured_outputs import KINDS
 from core.tool_calls import AUTO_PREFIX, NAMED_PREFIX, REQUIRED, call_schema
 from core.tool_parsers import TOOL_CALL_PARSERS
 
@@ -201,8 +202,8 @@ class OpenAIRequest(OpenAIBody):
         return sources
 
     def _structured_outputs(self) -> StructuredOutputsIn | None:
-        """The job's structured outputs, from the one field that asks for them, checked once here (the job takes
-        them as checked); a 400 names the field sent."""
+        """The job's structured outputs, from the one field that asks for them, their shape checked here (a 400
+        names the field sent; their grammar is compiled when the job is built, see `sent_as`)."""
         sources = self._constraint_sources()
         if len(sources) > 1:
             raise ApiError(400, f"give only one of {', '.join(sources)}: each constrains the output",
@@ -223,8 +224,13 @@ class OpenAIRequest(OpenAIBody):
         return {}
 
     def sent_as(self) -> dict[str, str]:
-        """Job fields this request gave under another name (job field -> request field), for naming errors."""
-        return {}
+        """Job fields this request gave under another name (job field -> request field), for naming errors: the
+        output constraint (whose grammar is compiled with the job) under the field that asked for it."""
+        sources = self._constraint_sources()
+        if len(sources) != 1:
+            return {}
+        (source, (_spec, fields)), = sources.items()
+        return {f"structured_outputs.{kind}": fields.get(kind, f"{source}.{kind}") for kind in KINDS}
 
 
 class CompletionRequest(OpenAIRequest):
@@ -478,7 +484,8 @@ class ChatCompletionRequest(OpenAIRequest):
         return {"openai_tool_choice": mode} if mode else {}
 
     def sent_as(self) -> dict[str, str]:
-        return {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
+        renamed = {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}
+        return {**super().sent_as(), **renamed}
 
     def _template_options(self) -> ChatTemplateOptions:
         try:

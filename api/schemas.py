@@ -22,7 +22,7 @@ from core.job_payload import JobOut
 from core.models import DeliveryStatus
 from core.prompts import ChatTemplateOptions
 from core.sampling_fields import SAMPLING_FIELDS
-from core.structured_outputs import StructuredOutputError, grammar_of, only_kind, set_fields
+from core.structured_outputs import StructuredOutputError, checked_value, only_kind, set_fields
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -98,8 +98,8 @@ class StructuredOutputsIn(BaseModel):
         if isinstance(value, dict) and "\\u0000" in json.dumps(value):  # PostgreSQL's JSON cannot hold NUL
             raise ValueError("must not contain the NUL character (\\u0000)")
         kind = "json" if info.field_name == "json_schema" else str(info.field_name)
-        try:
-            grammar_of({kind: value})
+        try:  # its grammar is compiled when the job is built, off the event loop (a large one takes seconds)
+            checked_value(kind, value)
         except StructuredOutputError as exc:
             raise ValueError(exc.reason) from None
         return value

@@ -19,7 +19,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from core.structured_outputs import StructuredOutputError, grammar_of, only_kind
+from core.structured_outputs import StructuredOutputError, grammar_of, on_compile_stack, only_kind
 
 COMPILED_GRAMMARS_KEPT = 64
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -121,7 +121,7 @@ class GrammarCompiler:
                 self._compiled.move_to_end(key)
                 return compiled
         kind, grammar = grammar_of(spec)
-        compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)  # outside the lock
+        compiled = on_compile_stack(llguidance.LLMatcher, self._llg_tokenizer(), grammar, log_level=0)  # unlocked
         if compiled.is_error():
             raise StructuredOutputError(kind, f"cannot be used with this model: {compiled.get_error().strip()}")
         with self._lock:

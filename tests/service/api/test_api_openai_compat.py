@@ -91,6 +91,12 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"logit_bias": {"5": "high"}}, "logit_bias.5"),
     ({"logit_bias": {"1000000": 5}}, "logit_bias"),
     ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    # grammars compile with the job, off the event loop; their errors still name the request's field
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
 ])
 def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str

@@ -47,7 +47,8 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "Hi", "metadata": {"k\u0000": "x"}}, "metadata"),
     ({"prompt": "Hi", "webhook_url": "http://127.0.0.1/\u0000"}, "webhook_url: Value error, must not contain"),
     # structured outputs: compiled when the job is created, each kind named
-    ({"prompt": "x", "structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex: Value error, cannot be"),
+    ({"prompt": "x", "structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex cannot be used"),
+    ({"prompt": "x", "structured_outputs": {"json": "[" * 5000}}, "structured_outputs.json: Value error, is nested"),
     ({"prompt": "x", "structured_outputs": {"json": {"type": "strnig"}}}, "structured_outputs.json"),
     ({"prompt": "x", "structured_outputs": {"json": "{not json"}}, "structured_outputs.json: Value error, is not"),
     ({"prompt": "x", "structured_outputs": {"json": {"k\u0000": 1}}}, "structured_outputs.json: Value error, must"),
