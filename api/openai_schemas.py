@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -161,8 +161,17 @@ class OpenAIRequest(OpenAIBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool = False  # vLLM's; false is accepted, true refused: beam search is a job's beam_width
 
     _only_when_streaming = field_validator("stream_options")(_only_with("stream"))
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("beam search is not served on the OpenAI routes; submit a job to /v1/jobs with "
+                             "beam_width (its beams come back as the job's choices, best first)")
+        return value
 
     def _job(self, endpoint: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
              **prompt: Any) -> JobCreate:
@@ -312,6 +321,21 @@ class TextPart(OpenAIBody):
     type: Literal["text"]
     text: str
 
+    @property
+    def content(self) -> str:
+        return self.text
+
+
+class RefusalPart(OpenAIBody):
+    """A refusal part of an earlier assistant turn, as OpenAI answers it; the template reads its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def content(self) -> str:
+        return self.refusal
+
 
 class ToolCallFunction(OpenAIBody):
     """The function an assistant's tool call named, with its arguments as JSON text."""
@@ -333,7 +357,7 @@ class ChatMessageIn(OpenAIBody):
     history too: assistant turns with tool_calls (content may then be null) and tool results (role tool)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -342,13 +366,16 @@ class ChatMessageIn(OpenAIBody):
     def _content_unless_tool_calls(self) -> ChatMessageIn:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.role != "assistant" and isinstance(self.content, list) and any(
+                isinstance(part, RefusalPart) for part in self.content):
+            raise ValueError(f"refusal parts belong to assistant messages, not to a {self.role} message")
         return self
 
     def as_job_message(self) -> dict[str, Any]:
         """The message as the job store keeps it (developer counts as system), what the chat template reads."""
         # text parts joined by newlines, as vLLM renders them for a template that takes a string
         text = "" if self.content is None else self.content if isinstance(self.content, str) else "\n".join(
-            p.text for p in self.content)
+            p.content for p in self.content)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {

@@ -203,7 +203,9 @@ def arguments_delta(job: Job, index: int, text: str, first: bool) -> dict[str, A
 
 
 def _chat_finish_reason(job: Job, choice: dict[str, Any]) -> str:
-    return "tool_calls" if _tool_calls(job, choice) is not None else _finish_reason(choice)
+    # a call the request named is its answer, not the model's choice to call: "stop", as OpenAI and vLLM say
+    called = _tool_calls(job, choice) is not None and streamed_call_name(job) is None
+    return "tool_calls" if called else _finish_reason(choice)
 
 
 def chat_body(job: Job, model: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from api.app import create_app
 from api.batch_input import build_line
@@ -97,6 +98,7 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+    ({"use_beam_search": True, "n": 2}, "use_beam_search"),
 ])
 def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str
@@ -389,6 +391,16 @@ def test_a_completions_top_logprobs_hold_the_chosen_token_whatever_its_rank(clie
     # the likeliest token, and the sampled one where it is not: logprobs + 1 entries at most, as OpenAI
     assert [sorted(top.values()) for top in choice["logprobs"]["top_logprobs"]] == [[-2.0, -0.5], [-0.1]]
     assert choice["logprobs"]["token_logprobs"] == [-2.0, -0.1]
+
+
+def test_an_assistants_refusal_part_is_history_the_template_reads() -> None:
+    request = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "user", "content": "Why?"}]})
+    assert request.messages[1].as_job_message() == {"role": "assistant", "content": "No."}
+    with pytest.raises(ValidationError, match="refusal parts belong to assistant messages"):
+        ChatCompletionRequest.model_validate({"messages": [
+            {"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}]})
 
 
 def test_text_parts_join_with_newlines_as_vllm_renders_them() -> None:
