@@ -162,16 +162,30 @@ class SamplingParamsIn(BaseModel):
             raise ValueError("allowed_token_ids must name at least one token (omit it to allow all)")
         return value
 
-    @model_validator(mode="after")
-    def _min_below_max(self) -> SamplingParamsIn:
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.beam_width > 1 and self.n != 1:
-            raise ValueError(f"n must be 1 with beam search (beam_width best beams are returned), got {self.n}")
-        for name in ("structured_outputs", "logit_bias", "allowed_token_ids"):
-            if self.beam_width > 1 and getattr(self, name) is not None:
-                raise ValueError(f"{name} cannot be combined with beam search (beam_width > 1)")
-        return self
+    # Checks of one field against another declared before it (in info.data once valid): field validators, so that
+    # the error names the field, not the body.
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_below_max(cls, value: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"min_tokens ({value}) must not exceed max_tokens ({max_tokens})")
+        return value
+
+    @field_validator("beam_width")
+    @classmethod
+    def _one_sample_per_beam_search(cls, value: int, info: ValidationInfo) -> int:
+        n = info.data.get("n")
+        if value > 1 and n is not None and n != 1:
+            raise ValueError(f"n must be 1 with beam search (beam_width best beams are returned), got n={n}")
+        return value
+
+    @field_validator("structured_outputs", "logit_bias", "allowed_token_ids")
+    @classmethod
+    def _not_with_beam_search(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("beam_width", 1) > 1:
+            raise ValueError(f"{info.field_name} cannot be combined with beam search (beam_width > 1)")
+        return value
 
 
 class ToolCallFunctionIn(BaseModel):

@@ -99,6 +99,7 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
     ({"use_beam_search": True, "n": 2}, "use_beam_search"),
+    ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),  # a check across fields names the field, not the body
 ])
 def test_unsupported_or_invalid_completion_input_is_400_naming_it(
     client: TestClient, auth_headers: dict[str, str], extra: dict[str, Any], param: str

@@ -86,6 +86,19 @@ def test_bad_job_body_is_422_naming_the_field(
     assert field in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(("body", "field"), [
+    ({"prompt": "x", "max_tokens": 16, "min_tokens": 17}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # against max_tokens' default
+    ({"prompt": "x", "n": 2, "beam_width": 2}, "beam_width"),
+    ({"prompt": "x", "beam_width": 2, "allowed_token_ids": [5]}, "allowed_token_ids"),
+])
+def test_a_check_across_fields_names_the_field(
+    client: TestClient, auth_headers: dict[str, str], body: dict[str, Any], field: str
+) -> None:
+    response = client.post("/v1/jobs", json=body, headers=auth_headers)
+    assert response.status_code == 422 and response.json()["error"]["field"] == field, response.text
+
+
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_refused(client: TestClient, auth_headers: dict[str, str], literal: str) -> None:
     body = f'{{"prompt": "x", "temperature": {literal}}}'
