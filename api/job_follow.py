@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
 
 from core import streams
@@ -115,6 +117,15 @@ async def _received_before(client: Any, stream_key: str, last_id: str) -> _Recei
     return received
 
 
+async def _read(client: aioredis.Redis, stream_key: str, last_id: str, block_ms: int, count: int) -> list[Any]:
+    """XREAD of one stream after `last_id`; an answer later than the client's socket timeout (the event loop or Redis
+    held up for seconds) counts as none, and the next read goes on from the same id, instead of ending the stream."""
+    try:
+        return await client.xread({stream_key: last_id}, block=block_ms, count=count)
+    except redis.exceptions.TimeoutError:
+        return []
+
+
 async def follow_job(
     job_id: str, last_id: str = "0-0"
 ) -> AsyncIterator[TokenEvent | RestartEvent | FinalEvent | None]:
@@ -126,7 +137,7 @@ async def follow_job(
     try:
         received = await _received_before(client, stream_key, last_id)
         while True:
-            reply = await client.xread({stream_key: last_id}, block=IDLE_CHECK_MS, count=512)
+            reply = await _read(client, stream_key, last_id, IDLE_CHECK_MS, 512)
             if not reply:
                 job = await run_in_threadpool(load_job, job_id)
                 if job.status.is_final:
@@ -165,7 +176,7 @@ async def follow_final(job_id: str, idle_ms: int = IDLE_CHECK_MS) -> AsyncIterat
     last_id, next_store_check = "0-0", 0.0
     try:
         while True:
-            reply = await client.xread({stream_key: last_id}, block=idle_ms, count=1)
+            reply = await _read(client, stream_key, last_id, idle_ms, 1)
             if reply:
                 last_id = reply[0][1][0][0]  # read past it: an entry the store contradicts is read once
             elif time.monotonic() < next_store_check:

@@ -176,3 +176,39 @@ def test_a_non_streaming_completion_past_the_timeout_is_504_and_its_job_cancelle
     with session_factory()() as session:
         statuses = session.scalars(select(Job.status).where(Job.prompt == "no worker")).all()
     assert statuses == [JobStatus.cancelled]
+
+
+def test_a_wait_whose_loop_stalled_past_the_socket_timeout_reads_again(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    """The event loop held up past the Redis client's 5 s socket timeout (another request's work on it) while a read
+    waits: the wait reads again from where it was, instead of failing its request."""
+    job_id = _running_job(client, auth_headers, "held up")
+
+    async def collect() -> list[FinalEvent | None]:
+        async def stall() -> None:
+            await asyncio.sleep(0.3)  # the wait's read is in flight
+            time.sleep(6)  # blocks the loop, as a long synchronous call on it would
+
+        staller = asyncio.create_task(stall())
+        events: list[FinalEvent | None] = []
+        async with aclosing(follow_final(job_id, 1000)) as follower:
+            async for event in follower:
+                events.append(event)
+                if isinstance(event, FinalEvent):
+                    break
+        await staller
+        return events
+
+    def finish_meanwhile() -> None:
+        time.sleep(1.0)
+        _succeed(job_id, "done")
+        streams.publish_final(streams.redis_client(), job_id, "succeeded")
+
+    other = threading.Thread(target=finish_meanwhile)
+    other.start()
+    try:
+        events = asyncio.run(asyncio.wait_for(collect(), timeout=30))
+    finally:
+        other.join()
+    assert isinstance(events[-1], FinalEvent) and events[-1].job.status is JobStatus.succeeded
