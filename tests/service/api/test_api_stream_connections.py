@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 import httpx
 import pytest
-import uvicorn
 
 from api.app import create_app
 from core.settings import Settings, configure
-from tests.service.procs import free_port, wait_until
+from tests.service.procs import served
 
 Headers = Callable[[str], dict[str, str]]
 NUM_STREAMS = 50
@@ -30,14 +28,8 @@ def database_url(sqlite_url: str) -> str:
 def one_connection_api(service_settings: Settings) -> Iterator[str]:
     """Base URL of a real uvicorn server whose process has a single database connection."""
     settings = service_settings.model_copy(update={"database_pool_size": 1, "database_max_overflow": 0})
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=free_port(),
-                                           log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, 30, "the API server to start")
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with served(create_app(settings)) as url:
+        yield url
     configure(service_settings)
 
 

@@ -3,30 +3,22 @@ benchmark scripts json-decode every line), and still notices a client that went 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from api.app import create_app
 from core.settings import Settings, configure
-from tests.service.procs import free_port, wait_until
+from tests.service.procs import served, wait_until
 
 
 @pytest.fixture(scope="module")
 def api_url(service_settings: Settings) -> Iterator[str]:
     """Base URL of a real uvicorn server and no worker: a job waits for its first token for as long as it is open."""
-    server = uvicorn.Server(uvicorn.Config(create_app(service_settings), host="127.0.0.1", port=free_port(),
-                                           log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, 30, "the API server to start")
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with served(create_app(service_settings)) as url:
+        yield url
     configure(service_settings)
 
 
