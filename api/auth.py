@@ -41,9 +41,10 @@ def _set_new_token(key: ApiKey) -> str:
     return token
 
 
-def create_api_key(session: Session, name: str) -> tuple[ApiKey, str]:
-    """Store a new key and return it with its plaintext token; both are shown only once, like its webhook_secret."""
-    key = ApiKey(name=name, webhook_secret=new_webhook_secret())
+def create_api_key(session: Session, name: str, priority_floor: int | None = None) -> tuple[ApiKey, str]:
+    """Store a new key and return it with its plaintext token; both are shown only once, like its webhook_secret.
+    Without a priority floor of its own the key follows the server's."""
+    key = ApiKey(name=name, webhook_secret=new_webhook_secret(), priority_floor=priority_floor)
     token = _set_new_token(key)
     session.add(key)
     session.commit()

@@ -28,8 +28,28 @@ _JOB_ID = re.compile(r"job_[0-9a-f]{32}")  # what core.models.new_id makes
 MAX_BULK_IDS = 500  # jobs one GET /v1/jobs?ids=... reads, as many as its largest page
 
 
-def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
-    """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context."""
+def priority_floor(key: ApiKey) -> int:
+    """The most urgent priority a key's jobs may have: its own floor, else the server's."""
+    return key.priority_floor if key.priority_floor is not None else get_settings().priority_floor
+
+
+def job_priority(key: ApiKey, body: JobCreate, default: int, field: str) -> int:
+    """The priority a job runs at: the one asked (403 when more urgent than the key's floor), else the default
+    raised to the floor. An urgent job preempts other tenants' running ones, so only the operator grants urgency."""
+    floor = priority_floor(key)
+    if "priority" not in body.model_fields_set:
+        return max(default, floor)
+    if body.priority < floor:
+        raise ApiError(403, f"{field} {body.priority} is more urgent than API key {key.id} may ask: its priority "
+                       f"floor is {floor} (lower runs earlier; an operator changes it with `pagedserve keys update "
+                       f"{key.id} --priority-floor N`)", field)
+    return body.priority
+
+
+def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", default_priority: int = 0) -> Job:
+    """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context;
+    a request without a priority gets `default_priority` (never more urgent than the key's floor)."""
+    priority = job_priority(key, body, default_priority, field_prefix + "priority")
     model = prompt_model()
     # unset tool fields stay out: chat templates test for the keys ('tool_calls' in message), not their values
     messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
@@ -80,7 +100,7 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "") -> Job:
         prompt_token_ids=body.prompt_token_ids,
         messages=messages,
         params=body.sampling_params(),
-        priority=body.priority,
+        priority=priority,
         metadata_=body.metadata,
         webhook_url=body.webhook_url,
         prompt_tokens=num_prompt_tokens,

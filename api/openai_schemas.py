@@ -161,6 +161,7 @@ class OpenAIRequest(OpenAIBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    priority: int | None = Field(None, ge=-1000, le=1000, description="lower runs earlier (vLLM's); omitted: 0")
     use_beam_search: bool = False  # vLLM's; false is accepted, true refused: beam search is a job's beam_width
 
     _only_when_streaming = field_validator("stream_options")(_only_with("stream"))
@@ -180,7 +181,8 @@ class OpenAIRequest(OpenAIBody):
         sampling = self._sampling()
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user, **self._metadata()}
-        return JobCreate(**sampling, **prompt, stop=stop, max_tokens=max_tokens, logprobs=logprobs,
+        priority = {} if self.priority is None else {"priority": self.priority}  # unset: the key's default
+        return JobCreate(**sampling, **prompt, **priority, stop=stop, max_tokens=max_tokens, logprobs=logprobs,
                          prompt_logprobs=prompt_logprobs, structured_outputs=self._structured_outputs(),
                          metadata=metadata)
 

@@ -20,7 +20,7 @@ _CLIENT_SETTINGS = ("host", "port", "data_dir")
 API_ONLY = frozenset({
     "host", "port", "chat_template", "served_model_name", "max_body_bytes", "max_file_bytes", "max_batch_lines",
     "max_files_per_key", "max_file_storage_bytes_per_key", "openai_timeout_s", "rate_limit_per_s",
-    "max_inflight_jobs_per_key", "readyz_require_worker", "batch_priority", "enable_auto_tool_choice",
+    "max_inflight_jobs_per_key", "readyz_require_worker", "batch_priority", "priority_floor", "enable_auto_tool_choice",
     "tool_call_parser", "api_key",
 })
 WORKER_ONLY = frozenset({

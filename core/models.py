@@ -90,6 +90,8 @@ class ApiKey(Base):
     webhook_secret: Mapped[str] = mapped_column(String(64))  # signs this key's webhooks; the service must read it
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # the most urgent priority the key's jobs run at; None follows the server's --priority-floor
+    priority_floor: Mapped[int | None] = mapped_column(Integer)
 
 
 class Job(Base):

@@ -107,6 +107,10 @@ class Settings(BaseSettings):
         description="a job message taken by a worker that died unacknowledged is redelivered after this long")
     rate_limit_per_s: int = Field(1000, ge=0, description="requests per second per API key (0: unlimited)")
     max_inflight_jobs_per_key: int = Field(100_000, ge=1, description="queued plus running jobs one API key may have")
+    # Priorities reach across tenants (an urgent job preempts others' running ones), so by default a key may only
+    # make its jobs less urgent than 0; `pagedserve keys update --priority-floor` trusts one key with more.
+    priority_floor: int = Field(0, ge=-1000, le=1000, description="the most urgent priority an API key's jobs may "
+                                "have unless the key has its own floor (a lower one asked is 403)")
     batch_priority: int = Field(500, ge=-1000, le=1000, description="priority of Batch API jobs (lower runs "
                                 "earlier; interactive jobs default to 0, so batches yield to them)")
 

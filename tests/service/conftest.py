@@ -120,14 +120,15 @@ def service_settings(
     configure(None)
 
 
-def _new_auth_headers(name: str = "test") -> dict[str, str]:
+def _new_auth_headers(name: str = "test", priority_floor: int | None = None) -> dict[str, str]:
     with session_factory()() as session:
-        return {"Authorization": f"Bearer {create_api_key(session, name)[1]}"}
+        return {"Authorization": f"Bearer {create_api_key(session, name, priority_floor)[1]}"}
 
 
 @pytest.fixture(scope="module")
-def new_auth_headers(service_settings: Settings) -> Callable[[str], dict[str, str]]:
-    """Makes another API key in the module's store and returns its Authorization headers."""
+def new_auth_headers(service_settings: Settings) -> Callable[..., dict[str, str]]:
+    """Makes another API key in the module's store (name, optional priority floor); returns its Authorization
+    headers."""
     return _new_auth_headers
 
 

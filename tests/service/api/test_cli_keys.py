@@ -1,4 +1,4 @@
-"""`pagedserve keys create|list|revoke|rotate`, run as real processes against the module's real database."""
+"""`pagedserve keys create|list|revoke|rotate|update`, run as real processes against the module's real database."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_a_revoked_key_gets_401_and_is_listed_as_revoked(pagedserve: Cli, client
     response = client.get("/v1/jobs", headers=headers)
     assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
     (line,) = [line for line in pagedserve("keys", "list").stdout.splitlines() if line.startswith(key_id)]
-    _, prefix, _, revoked_at, name = line.split("\t")
+    _, prefix, _, revoked_at, _, name = line.split("\t")
     assert name == "to-revoke" and revoked_at != "-" and prefix == f"psk_{headers['Authorization'].split('_')[1]}_..."
     again = pagedserve("keys", "rotate", key_id)
     assert again.returncode != 0 and f"key_id: API key {key_id} was revoked" in again.stderr
@@ -133,3 +133,28 @@ def test_migrating_gives_keys_made_before_per_key_secrets_a_secret_of_their_own(
         secrets = connection.execute(sa.text("SELECT webhook_secret FROM api_keys WHERE name = 'old'")).scalars().all()
     engine.dispose()
     assert len(set(secrets)) == 2 and all(secret.startswith("whsec_") for secret in secrets)
+
+
+def test_an_operator_sets_a_keys_priority_floor_and_its_jobs_follow_it(pagedserve: Cli, client: TestClient) -> None:
+    created = pagedserve("keys", "create", "--name", "trusted", "--priority-floor", "-300")
+    assert created.returncode == 0, created.stderr
+    headers = {"Authorization": f"Bearer {created.stdout.splitlines()[0]}"}
+    key_id = _key_id(headers)
+
+    def listed_floor() -> str:
+        (line,) = [line for line in pagedserve("keys", "list").stdout.splitlines() if line.startswith(key_id)]
+        return line.split("\t")[4]
+
+    assert listed_floor() == "-300"
+    assert client.post("/v1/jobs", json={"prompt": "x", "priority": -300}, headers=headers).status_code == 202
+    demoted = pagedserve("keys", "update", key_id, "--priority-floor", "100")
+    assert demoted.returncode == 0 and "priority floor is now 100" in demoted.stderr
+    assert client.post("/v1/jobs", json={"prompt": "x", "priority": -300}, headers=headers).status_code == 403
+    assert client.post("/v1/jobs", json={"prompt": "x"}, headers=headers).json()["priority"] == 100
+    assert pagedserve("keys", "update", key_id, "--priority-floor", "default").returncode == 0
+    assert listed_floor() == "-"
+    for bad in ("1001", "urgent"):
+        refused = pagedserve("keys", "update", key_id, "--priority-floor", bad)
+        assert refused.returncode == 2 and "--priority-floor" in refused.stderr and bad in refused.stderr
+    unknown = pagedserve("keys", "update", "key_nope", "--priority-floor", "0")
+    assert unknown.returncode != 0 and "key_id: no API key 'key_nope'" in unknown.stderr
