@@ -11,6 +11,9 @@ from pythonjsonlogger.json import JsonFormatter
 TEXT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 JSON_LOG_FIELDS = ["levelname", "name", "message"]  # plus "timestamp" (ISO 8601, UTC)
 NOISY_LOGGERS = ("alembic.runtime.plugins", "httpx")
+# transformers imports torchao eagerly: on a CPU host torchao's CUDA extensions fail to load and it registers enums
+# that torch 2.13 deprecates, four harmless WARNING lines at every process start; their errors still show
+IMPORT_NOISE_LOGGERS = ("torchao", "torch.utils._pytree")
 # uvicorn gives these their own handlers; they pass their records to the root handler instead, in its format
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 _RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -43,3 +46,5 @@ def configure_logging(log_format: Literal["text", "json"]) -> None:
         logging.getLogger(name).propagate = True
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in IMPORT_NOISE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)

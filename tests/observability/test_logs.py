@@ -65,3 +65,11 @@ def test_log_event_keeps_a_field_named_like_a_record_attribute(caplog: pytest.Lo
     with caplog.at_level(logging.INFO, logger="pagedserve.test"):
         log_event(logging.getLogger("pagedserve.test"), "probe", module="m")
     assert caplog.records[-1].module_ == "m" and caplog.messages[-1] == "probe module=m"
+
+
+def test_importing_the_model_code_logs_no_third_party_warnings_but_keeps_their_errors() -> None:
+    code = ("import logging; from core.logging import configure_logging; configure_logging('text'); "
+            "from transformers import LlamaForCausalLM; logging.getLogger('torchao').error('still shown')")
+    stderr = _python(code).stderr
+    assert [line for line in stderr.splitlines() if " WARNING " in line or line.startswith("W1")] == [], stderr
+    assert "ERROR torchao still shown" in stderr
