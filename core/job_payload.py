@@ -21,6 +21,7 @@ class Choice(BaseModel):
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop_token_ids token or stop string that ended it (None: EOS...)
     logprobs: Any = None
     prompt_logprobs: Any = None  # with the prompt_logprobs parameter: per prompt token (None for the first)
 

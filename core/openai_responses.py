@@ -160,7 +160,7 @@ def completion_body(job: Job, model: str) -> dict[str, Any]:
         return _completion_logprobs(steps) if steps else None
 
     choices = [{"index": c["index"], "text": echo + c["text"], "finish_reason": _finish_reason(c),
-                "logprobs": logprobs(c)} for c in job.output or []]
+                "stop_reason": c.get("stop_reason"), "logprobs": logprobs(c)} for c in job.output or []]
     return {"id": job.id, "object": "text_completion", "created": _created(job), "model": model,
             "choices": choices, "usage": usage(job)}
 
@@ -221,6 +221,7 @@ def chat_body(job: Job, model: str) -> dict[str, Any]:
 
     choices = [{
         "index": c["index"], "message": message(c), "finish_reason": _chat_finish_reason(job, c),
+        "stop_reason": c.get("stop_reason"),
         "logprobs": _chat_logprobs(steps) if num_top is not None and (steps := _choice_steps(c, num_top, False))
         else None,
     } for c in job.output or []]
@@ -294,7 +295,7 @@ def delta_choice(endpoint: str, index: int, text: str, finish_reason: str | None
 
 
 def final_choices(job: Job, endpoint: str, prompt_index: int = 0) -> list[dict[str, Any]]:
-    """The closing choice of each completion: no new text, its finish reason."""
+    """The closing choice of each completion: no new text, its finish reason and (vLLM's) stop reason."""
     finish = _chat_finish_reason if endpoint == CHAT_COMPLETIONS else lambda _job, c: _finish_reason(c)
-    return [delta_choice(endpoint, choice_index(job, prompt_index, c["index"]), "", finish(job, c))
-            for c in job.output or []]
+    return [{**delta_choice(endpoint, choice_index(job, prompt_index, c["index"]), "", finish(job, c)),
+             "stop_reason": c.get("stop_reason")} for c in job.output or []]

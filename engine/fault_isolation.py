@@ -32,6 +32,7 @@ class _SeqState:
     num_logprobs: int
     status: SequenceStatus
     finish_reason: str | None
+    stop_reason: int | str | None
     text: str
     prefix_offset: int
     read_offset: int
@@ -40,7 +41,7 @@ class _SeqState:
     @classmethod
     def capture(cls, seq: Sequence) -> _SeqState:
         """The sequence as it is now."""
-        return cls(seq, seq.num_tokens, len(seq.logprobs), seq.status, seq.finish_reason, seq.text,
+        return cls(seq, seq.num_tokens, len(seq.logprobs), seq.status, seq.finish_reason, seq.stop_reason, seq.text,
                    seq.prefix_offset, seq.read_offset, seq.cumulative_logprob)
 
     def restore(self) -> None:
@@ -48,7 +49,8 @@ class _SeqState:
         seq = self.seq
         del seq.token_ids[self.num_tokens :]
         del seq.logprobs[self.num_logprobs :]
-        seq.status, seq.finish_reason, seq.text = self.status, self.finish_reason, self.text
+        seq.status, seq.finish_reason, seq.stop_reason, seq.text = (self.status, self.finish_reason, self.stop_reason,
+                                                                    self.text)
         seq.prefix_offset, seq.read_offset = self.prefix_offset, self.read_offset
         seq.cumulative_logprob = self.cumulative_logprob
         if seq.grammar is not None:

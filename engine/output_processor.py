@@ -23,7 +23,7 @@ class OutputProcessor:
     # ---- stop checks ---------------------------------------------------------------
     def finish_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
         """Why ``token``, just appended to ``seq``, ends it ("stop" or "length"), or None; decodes its text."""
-        reason = self._stop_reason(group, seq, token)
+        reason = self._why_stopped(group, seq, token)
         if reason is None:
             return None
         if reason == "stop_string":  # its text was cut where the stop string starts (or ends, when kept)
@@ -34,15 +34,18 @@ class OutputProcessor:
                         drop_last=reason == "stop_token" and not params.include_stop_str_in_output)
         return "stop" if reason == "stop_token" else reason
 
-    def _stop_reason(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
+    def _why_stopped(self, group: SequenceGroup, seq: Sequence, token: int) -> str | None:
         params = group.params
         may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
+        eos = not params.ignore_eos and token in self.eos_token_ids
+        if may_stop and (eos or token in params.stop_token_ids):
+            seq.stop_reason = None if eos else token  # as vLLM: EOS is no stop_reason, a stop_token_ids token is
             return "stop_token"
         delta = decode_new_text(self.tokenizer, seq, skip_special_tokens=params.skip_special_tokens)
         if may_stop and params.stop and delta:
             found = find_stop_string(seq.text, len(delta), params.stop)
             if found is not None:
+                seq.stop_reason = seq.text[found[0]:found[1]]
                 seq.text = seq.text[: found[1] if params.include_stop_str_in_output else found[0]]
                 return "stop_string"
         if seq.grammar is not None and seq.grammar.is_complete:  # its structured output is whole: nothing may follow
@@ -82,7 +85,7 @@ class OutputProcessor:
         return [
             CompletionOutput(
                 index=i, text=self._reported_text(seq, group.params), token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=list(seq.logprobs) if want_logprobs else None, cumulative_logprob=seq.cumulative_logprob,
             )
             for i, seq in enumerate(group.seqs)

@@ -13,6 +13,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop_token_ids token or stop string that ended it; None for EOS
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
 

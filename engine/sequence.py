@@ -38,6 +38,7 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop_token_ids token or stop string that ended it (vLLM's)
     text: str = ""
     # incremental detokenisation window (see engine.detokenizer)
     prefix_offset: int = 0

@@ -55,6 +55,7 @@ def _choices(output: Any) -> list[dict[str, Any]]:
             "text": c.text,
             "token_ids": list(c.token_ids),
             "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
             "logprobs": stored_logprobs(c.logprobs) if c.logprobs else None,
             **prompt,
         }

@@ -61,6 +61,19 @@ def test_include_stop_str_in_output_keeps_the_stop_string_or_token_text(llm: LLM
     assert out.text == llm.tokenizer.decode(full.token_ids[: first + 1])
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_output_as_vllm(llm: LLM) -> None:
+    full = greedy(llm)
+    assert full.finish_reason == "length" and full.stop_reason is None
+    stop = full.text[10:14]
+    assert greedy(llm, stop=["never in the text", stop]).stop_reason == stop
+    stop_token = full.token_ids[5]
+    assert greedy(llm, stop_token_ids=[stop_token]).stop_reason == stop_token
+    eos = min(llm.engine.eos_token_ids)  # the only token allowed: it ends the output with no stop reason (vLLM)
+    params = SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[eos], stop_token_ids=[eos])
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos and out.stop_reason is None
+
+
 def test_text_reported_while_running_never_holds_what_a_stop_string_cuts(llm: LLM) -> None:
     full = greedy(llm)
     # a stop string across a token boundary: its first characters end one step's text, the step after cuts them

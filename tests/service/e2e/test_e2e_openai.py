@@ -125,6 +125,29 @@ def test_streamed_text_and_usage_equal_the_non_streamed_ones_for_the_same_seed(
     assert all(c.usage is None for c in plain)
 
 
+def test_stop_reason_names_the_stop_string_or_token_as_vllm_in_responses_and_streams(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    params = {"model": model, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0.0,
+              "extra_body": {"ignore_eos": True}}
+    full = openai_client.completions.create(**params)
+    assert full.choices[0].finish_reason == "length" and full.choices[0].model_extra["stop_reason"] is None
+    stop = full.choices[0].text[6:9]
+    by_string = openai_client.completions.create(**params, stop=[stop])
+    assert by_string.choices[0].finish_reason == "stop" and by_string.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(openai_client.completions.create(**params, stop=[stop], stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == stop
+    stop_token = httpx.get(f"{live_api}/v1/jobs/{full.id}", headers=auth_headers).json()["choices"][0]["token_ids"][2]
+    by_token = openai_client.completions.create(**{**params, "extra_body": {"ignore_eos": True,
+                                                                             "stop_token_ids": [stop_token]}})
+    assert by_token.choices[0].finish_reason == "stop" and by_token.choices[0].model_extra["stop_reason"] == stop_token
+    chat = openai_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=0.0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_token]})
+    assert chat.choices[0].model_extra["stop_reason"] in (None, stop_token)  # the chat may not reach that token
+    assert (chat.choices[0].model_extra["stop_reason"] == stop_token) == (chat.choices[0].finish_reason == "stop")
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
     openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str], service_model_dir: Path
 ) -> None:
