@@ -28,7 +28,8 @@ WORKER_ONLY = frozenset({
     "block_size", "preemption_mode", "attention_backend", "num_threads", "cpu_weight_packing", "quantization",
     "enforce_eager", "cuda_graph_max_batch",
     "gpu_memory_utilization", "max_num_batched_tokens", "enable_prefix_caching", "seed", "webhook_max_attempts",
-    "webhook_backoff_s", "webhook_timeout_s", "reaper_interval_s", "reconcile_grace_s", "engine_stall_timeout_s",
+    "webhook_backoff_s", "webhook_timeout_s", "webhook_concurrency", "webhook_concurrency_per_key", "reaper_interval_s",
+    "reconcile_grace_s", "engine_stall_timeout_s",
     "shutdown_grace_s",
 })
 _METAVARS: dict[Any, str] = {int: "INT", float: "FLOAT", str: "TEXT", Path: "PATH", ByteSize: "BYTES"}

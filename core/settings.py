@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = Field(6, ge=1, le=20, description="delivery attempts before a webhook is failed")
     webhook_backoff_s: float = Field(1.0, gt=0, description="first retry delay; doubles each attempt")
     webhook_timeout_s: float = Field(10.0, gt=0, description="deadline of one whole webhook attempt")
+    webhook_concurrency: int = Field(16, ge=1, le=1024, description="threads delivering webhooks in each worker "
+                                     "(apart from the job slots)")
+    webhook_concurrency_per_key: int = Field(4, ge=1, le=1024, description="most webhook attempts of one API key "
+                                             "at once in each worker (its others wait their turn)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body the API accepts")
     max_file_bytes: int = Field(100 << 20, ge=1024, description="largest file POST /v1/files accepts")
     max_batch_lines: int = Field(50_000, ge=1, description="most requests one OpenAI batch input file may hold")

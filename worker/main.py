@@ -1,4 +1,5 @@
-"""`pagedserve worker`: load the engine, then consume jobs and webhook deliveries with a threads pool."""
+"""`pagedserve worker`: load the engine, then consume jobs with a threads pool (one thread per engine slot) and
+webhook deliveries, which the delivery pool's own threads attempt."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from celery import signals
 from core.queue import JOBS_QUEUE, WEBHOOKS_QUEUE, celery_app
 from core.settings import Settings, configure
 from worker import drain, heartbeat
+from worker.delivery_pool import shutdown_delivery_pool
 from worker.metrics import serve_metrics
 from worker.reaper import Reaper
 from worker.service import engine_service
@@ -33,6 +35,7 @@ def run_worker(settings: Settings) -> None:
             "--loglevel=INFO",
         ])
     finally:  # every job has finished or been requeued: this worker holds nothing any more
+        shutdown_delivery_pool()  # attempts in progress end within their deadline; queued ones stay pending
         reaper.stop()  # the reaper and the engine thread both beat; neither may bring the heartbeat back
         service.stop()
         heartbeat.forget()

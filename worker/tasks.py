@@ -13,7 +13,8 @@ from core.lifecycle import transition
 from core.logging import log_event
 from core.models import JobStatus
 from core.queue import DELIVER_WEBHOOK_TASK, RUN_JOB_TASK
-from worker import drain, heartbeat, webhooks
+from worker import drain, heartbeat
+from worker.delivery_pool import delivery_pool
 from worker.runner import run_job as run_job_in_engine
 from worker.service import engine_service, sampling_params_class
 
@@ -46,5 +47,5 @@ def _refresh_batch_of(job_id: str) -> None:
 
 @shared_task(name=DELIVER_WEBHOOK_TASK)
 def deliver_webhook(delivery_id: str) -> None:
-    """Make one attempt of a webhook delivery."""
-    webhooks.deliver(delivery_id)
+    """Hand one attempt of a webhook delivery to the delivery pool (never a job slot's thread)."""
+    delivery_pool().submit(delivery_id)
