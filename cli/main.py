@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -142,8 +141,10 @@ def _stop_on_signal(signum: int, _frame: object) -> None:
 
 
 def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
-    """Start everything on the embedded default: the model prepared, store, Redis if needed, one worker and the API."""
+    """Start everything on the embedded default: the model prepared, store, Redis if needed, one worker and the API;
+    a worker that dies is started again."""
     from cli import migrate
+    from cli.up_watch import watch
     from core.embedded_redis import redis_reachable, start_redis
 
     check_startup(settings, "up")
@@ -157,12 +158,14 @@ def cmd_up(settings: Settings, _args: argparse.Namespace) -> None:
         key_line = "API keys: those given with --api-key" if settings.api_key else \
             f"development API key: {dev_api_key(settings)}"
         env = settings_env(settings)
-        children += [subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env) for role in ("worker", "api")]
+
+        def start(role: str) -> subprocess.Popen[bytes]:
+            return subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env)
+
+        children += [start("worker"), start("api")]
         url = f"http://{settings.host}:{settings.port}"
         print(f"pagedserve is up: {url}  (docs: {url}/docs)\n{key_line}", flush=True)
-        while all(child.poll() is None for child in children):
-            time.sleep(0.5)
-        raise SystemExit("a pagedserve process exited; stopping the others")
+        raise SystemExit(watch(children, len(children) - 2, lambda: start("worker")))
     finally:
         for child in reversed(children):  # API first, Redis last, so accepted work reaches the queue
             child.terminate()

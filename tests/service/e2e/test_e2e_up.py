@@ -1,10 +1,12 @@
-"""`pagedserve up` on a fresh data directory: embedded SQLite and Redis, a job submitted with curl."""
+"""`pagedserve up` on a fresh data directory: embedded SQLite and Redis, a job submitted with curl; a worker killed
+under it is started again."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,13 @@ from tests.service.procs import free_port, stop, wait_until
 def _curl(*args: str) -> dict:
     result = subprocess.run(["curl", "-sS", "--fail-with-body", *args], capture_output=True, text=True, check=True)
     return json.loads(result.stdout)
+
+
+def _kill_worker(up_pid: int) -> None:
+    """SIGKILL the worker process `up` started."""
+    found = subprocess.run(["pgrep", "-P", str(up_pid), "-f", "cli.main worker"], capture_output=True, text=True)
+    (pid,) = found.stdout.split()
+    os.kill(int(pid), signal.SIGKILL)
 
 
 def test_up_starts_everything_and_serves_a_curl_job(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -42,6 +51,13 @@ def test_up_starts_everything_and_serves_a_curl_job(tiny_model_dir: Path, tmp_pa
         result = _curl("-H", auth, f"{base}/v1/jobs/{job['id']}")
         assert len(result["choices"][0]["token_ids"]) == 8
         assert (tmp_path / "data" / "pagedserve.db").exists()
+        _kill_worker(up.pid)
+        wait_until(lambda: "up.worker_restarted" in log.read_text(), 30, "`up` to start the worker again")
+        assert _curl(f"{base}/healthz") and up.poll() is None  # the API served on throughout
+        again = _curl("-H", auth, "-H", "Content-Type: application/json",
+                      "-d", '{"prompt": "After the restart", "max_tokens": 4}', f"{base}/v1/jobs")
+        wait_until(lambda: _curl("-H", auth, f"{base}/v1/jobs/{again['id']}")["status"] == "succeeded", 120,
+                   "a job after the restart to succeed")
     finally:
         stop(up)
     assert not redis_reachable(redis_url)
