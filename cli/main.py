@@ -179,6 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     from api.routes.version import pagedserve_version
     from cli.client import add_client_commands
     from cli.key_commands import add_key_commands
+    from cli.vllm_flags import add_vllm_flags
 
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pagedserve {pagedserve_version()}")
@@ -195,6 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     for name in SERVER_COMMANDS:
         commands.choices[name].add_argument(
             "model_tag", nargs="?", metavar="MODEL", help="the model to serve, as `vllm serve MODEL` (same as --model)")
+        add_vllm_flags(commands.choices[name])
     for sub in _all_subparsers(commands):
         add_settings_flags(sub, command_settings(sub.prog.split()[1]))
     return parser
@@ -221,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     from core.logging import configure_logging
 
     configure_logging(settings.log_format)
+    if args.command in SERVER_COMMANDS:
+        from cli.vllm_flags import warn_without_effect
+
+        warn_without_effect(args)
     if args.command not in ("keys", "create-key", "migrate"):
         args.handler(settings, args)
         return

@@ -76,6 +76,8 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, le=1, description="devices one worker's model spans (vLLM's flag): pagedserve runs one per worker; "
         "start more workers to serve more")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, le=1, description="pipeline stages one worker's model spans (vLLM's flag): one per worker")
     served_model_name: Annotated[list[Annotated[str, Field(min_length=1)]] | None, NoDecode] = Field(
         None, min_length=1, description="model names the OpenAI routes answer to (default: --model)")
     webhook_allow_private: bool = Field(False, description="allow webhook targets on loopback/private networks")

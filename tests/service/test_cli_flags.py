@@ -13,6 +13,7 @@ import pytest
 
 from cli import main as cli
 from cli.flags import API_ONLY, WORKER_ONLY
+from cli.vllm_flags import FLAGS_WITHOUT_EFFECT, given_without_effect, warn_without_effect
 from core.settings import Settings, configure, get_settings
 from engine.config import DTYPE_NAMES
 from worker.service import engine_kwargs
@@ -238,6 +239,42 @@ def test_tensor_parallel_size_takes_one_device_per_worker(capsys: pytest.Capture
     assert _settings("api", "m", "--tensor-parallel-size", "1").tensor_parallel_size == 1  # as `vllm serve` takes it
     assert "--tensor-parallel-size (PAGEDSERVE_TENSOR_PARALLEL_SIZE)" in _refused(
         capsys, "worker", "--tensor-parallel-size", "2")
+
+
+def test_pipeline_parallel_size_is_one_stage_per_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _settings("up", "--pipeline-parallel-size", "1").pipeline_parallel_size == 1
+    assert "--pipeline-parallel-size (PAGEDSERVE_PIPELINE_PARALLEL_SIZE)" in _refused(
+        capsys, "worker", "--pipeline-parallel-size", "2")
+
+
+# as deployment and benchmark scripts start `vllm serve`
+VLLM_COMMAND_LINE = ["--disable-log-requests", "--uvicorn-log-level", "warning", "--trust-remote-code",
+                     "--no-enable-chunked-prefill", "--generation-config", "auto", "--max-logprobs", "20",
+                     "--download-dir", "/tmp/models", "--max-num-seqs", "8", "--pipeline-parallel-size", "1"]
+
+
+def test_a_vllm_serve_command_line_starts_and_the_flags_without_effect_are_named_in_one_warning(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    args = cli._parser().parse_args(["up", "my-model", *VLLM_COMMAND_LINE])
+    settings = cli.settings_from(args)
+    assert settings.model == "my-model" and settings.max_num_seqs == 8
+    with caplog.at_level("WARNING", logger="pagedserve.cli"):
+        warn_without_effect(args)
+    (record,) = caplog.records
+    flags = record.getMessage().split()[1].removeprefix("flags=").split(",")
+    assert sorted(flags) == sorted(["--disable-log-requests", "--uvicorn-log-level", "--trust-remote-code",
+                                    "--generation-config", "--enable-chunked-prefill", "--max-logprobs",
+                                    "--download-dir"])
+    assert "nothing is downloaded" in record.getMessage()
+
+
+@pytest.mark.parametrize("command", ["up", "api", "worker", "prepare"])
+def test_every_flag_without_effect_is_taken_by_every_server_command(command: str) -> None:
+    argv = [command]
+    for flag, (takes_value, _) in FLAGS_WITHOUT_EFFECT.items():
+        argv += [flag, "x"] if takes_value else [flag]
+    assert given_without_effect(cli._parser().parse_args(argv)) == list(FLAGS_WITHOUT_EFFECT)
 
 
 def test_api_keys_come_from_the_flag_or_one_from_the_environment(
