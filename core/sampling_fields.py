@@ -44,7 +44,7 @@ class SamplingField:
 _SEED_MAX = 2**63 - 1
 _TOKENS_MAX = 2**31 - 1
 SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
-    SamplingField("n", 1, Bounds(1, 16), Bounds(1, 64)),
+    SamplingField("n", 1, Bounds(1, 64), Bounds(1, 64)),  # and at most max_num_seqs (checked with the job)
     # the model's context is the real limit (checked with the prompt, naming both); this bound only keeps the number
     # a 32-bit int, so a long-context model's whole window can be asked for, as vLLM allows
     SamplingField("max_tokens", 16, Bounds(1, _TOKENS_MAX), Bounds(1)),
@@ -54,7 +54,7 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
     SamplingField("min_p", 0.0, Bounds(0.0, 1.0), Bounds(0.0, 1.0)),
     # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; the service takes a signed 64-bit int, as vLLM does
     SamplingField("seed", None, Bounds(-(2**63), _SEED_MAX), Bounds(-(2**63), 2**64 - 1)),
-    SamplingField("stop", None, Bounds(), Bounds(), max_items=16),
+    SamplingField("stop", None, Bounds(), Bounds(), max_items=64),
     SamplingField("stop_token_ids", None, Bounds(0), Bounds(0), max_items=64),
     SamplingField("ignore_eos", False, Bounds(), Bounds()),
     SamplingField("skip_special_tokens", True, Bounds(), Bounds(),

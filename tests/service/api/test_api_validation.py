@@ -201,3 +201,13 @@ def test_more_sequences_than_a_step_runs_are_refused_before_a_job_exists(
             assert len(client.get("/v1/jobs", headers=headers).json()["data"]) == 1
     finally:
         configure(service_settings)
+
+
+def test_n_may_reach_max_num_seqs_above_sixteen_as_samplers_ask(
+    client: TestClient, auth_headers: dict[str, str], service_settings: Settings
+) -> None:
+    wide = client.post("/v1/jobs", json={"prompt": "x", "n": service_settings.max_num_seqs}, headers=auth_headers)
+    assert wide.status_code == 202 and wide.json()["params"]["n"] == service_settings.max_num_seqs > 16
+    stops = client.post("/v1/jobs", json={"prompt": "x", "stop": [f"s{i}" for i in range(64)]}, headers=auth_headers)
+    assert stops.status_code == 202, stops.text
+
