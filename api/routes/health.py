@@ -25,8 +25,11 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/health", response_class=Response, responses={200: {"description": "the process is up (empty body)"}})
+@router.api_route("/ping", methods=["GET", "POST"], response_class=Response,
+                  responses={200: {"description": "the process is up (empty body)"}})
 def health() -> Response:
-    """vLLM's liveness probe: 200 with an empty body while the process is up."""
+    """vLLM's liveness probes (`/health`, and `/ping` as SageMaker asks it): 200 with an empty body while the
+    process is up."""
     return Response(status_code=200)
 
 

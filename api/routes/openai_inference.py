@@ -71,7 +71,7 @@ async def _answer(
     jobs = await run_in_threadpool(_create, session, key, bodies, body.sent_as())
     # Waiting or streaming can last minutes: release the pooled connection (the relay reads in short sessions).
     await run_in_threadpool(session.close)
-    model = served_model_id()
+    model = body.model or served_model_id()  # the served name asked for, as vLLM answers
     if body.stream:
         return StreamingResponse(
             stream_jobs(request, key, jobs, model, endpoint, body.stream_options),

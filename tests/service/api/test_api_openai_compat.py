@@ -47,8 +47,9 @@ def _error(response: Any) -> dict[str, Any]:
     return response.json()["error"]
 
 
-def test_health_is_200_with_an_empty_body(client: TestClient) -> None:
-    response = client.get("/health")
+@pytest.mark.parametrize(("method", "path"), [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")])
+def test_health_and_ping_are_200_with_an_empty_body(client: TestClient, method: str, path: str) -> None:
+    response = client.request(method, path)
     assert response.status_code == 200 and response.content == b""
 
 
@@ -445,3 +446,12 @@ def test_tokenize_shows_the_tools_to_the_chat_template(
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.function.name"
     finally:
         configure(service_settings)
+
+
+def test_the_built_in_model_answers_to_its_hugging_face_id_too() -> None:
+    from core.model_files import BUILTIN_HF_IDS, DEFAULT_MODEL, converted_dir, model_names
+
+    hf_id = BUILTIN_HF_IDS[DEFAULT_MODEL]
+    assert model_names(DEFAULT_MODEL) == [DEFAULT_MODEL, hf_id] and model_names(hf_id) == [hf_id, DEFAULT_MODEL]
+    assert converted_dir(hf_id) == converted_dir(DEFAULT_MODEL)  # `pagedserve up <hf id>` serves the built-in
+    assert model_names("/models/other") == ["/models/other"]

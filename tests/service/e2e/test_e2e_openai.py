@@ -17,6 +17,7 @@ from tests.engine.hf_reference import hf_logprobs
 from tests.service.procs import wait_until
 
 MAX_TOKENS = 8
+SERVED_NAMES = ["tiny", "tiny-alias"]
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,9 @@ def database_url(sqlite_url: str) -> str:
 
 @pytest.fixture(scope="module")
 def service_settings(service_settings: Settings) -> Iterator[Settings]:
-    """Served as with `--enable-auto-tool-choice --tool-call-parser hermes`."""
-    settings = service_settings.model_copy(update={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
+    """Served as with `--enable-auto-tool-choice --tool-call-parser hermes --served-model-name tiny tiny-alias`."""
+    settings = service_settings.model_copy(update={"enable_auto_tool_choice": True, "tool_call_parser": "hermes",
+                                                   "served_model_name": SERVED_NAMES})
     configure(settings)
     yield settings
     configure(service_settings)
@@ -40,8 +42,15 @@ def model(openai_client: openai.OpenAI) -> str:
     return openai_client.models.list().data[0].id
 
 
-def test_models_lists_the_served_model(openai_client: openai.OpenAI, service_model_dir: object) -> None:
-    assert [m.id for m in openai_client.models.list().data] == [str(service_model_dir)]
+def test_models_lists_the_served_names(openai_client: openai.OpenAI) -> None:
+    assert [m.id for m in openai_client.models.list().data] == SERVED_NAMES
+
+
+def test_an_answer_carries_the_served_name_it_was_asked_for(openai_client: openai.OpenAI) -> None:
+    params = {"model": "tiny-alias", "prompt": "Hi", "max_tokens": 2}
+    assert openai_client.completions.create(**params).model == "tiny-alias"
+    assert {chunk.model for chunk in openai_client.completions.create(**params, stream=True)} == {"tiny-alias"}
+    assert openai_client.completions.create(**{**params, "model": None}).model == "tiny"
 
 
 def test_completion_has_text_usage_and_is_a_job(
