@@ -54,13 +54,22 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", default_prio
     # unset tool fields stay out: chat templates test for the keys ('tool_calls' in message), not their values
     messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
     field = "messages" if messages else "prompt_token_ids" if body.prompt_token_ids else "prompt"
+    prompt_token_ids = body.prompt_token_ids
     try:
-        if body.prompt_token_ids:  # kept as ids for the engine; the text is for reading back (echo, GET)
-            num_prompt_tokens = model.check_fits_ids(body.prompt_token_ids, body.max_tokens, field_prefix + field,
+        if prompt_token_ids is None and body.truncate_prompt_tokens is not None:  # the ids whose start is cut
+            text = body.prompt if messages is None else model.render_chat(
+                messages, tools=body.chat_tools(), options=body.chat_template_options())
+            prompt_token_ids = model.tokenizer.encode(text or "").ids
+        if prompt_token_ids is not None and body.truncate_prompt_tokens is not None:
+            keep = body.truncate_prompt_tokens
+            keep = max(1, model.max_model_len - body.max_tokens) if keep == -1 else keep
+            prompt_token_ids = prompt_token_ids[-keep:]
+        if prompt_token_ids:  # kept as ids for the engine; the text is for reading back (echo, GET)
+            num_prompt_tokens = model.check_fits_ids(prompt_token_ids, body.max_tokens, field_prefix + field,
                                                      field_prefix + "max_tokens")
             # PostgreSQL text cannot hold NUL, which a byte token decodes to; the engine gets the ids, so the text
             # kept for reading back shows U+FFFD there instead
-            prompt = model.tokenizer.decode(body.prompt_token_ids, skip_special_tokens=False).replace("\x00", "\ufffd")
+            prompt = model.tokenizer.decode(prompt_token_ids, skip_special_tokens=False).replace("\x00", "\ufffd")
         else:
             prompt = body.prompt if messages is None else model.render_chat(
                 messages, tools=body.chat_tools(), options=body.chat_template_options())
@@ -97,7 +106,7 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", default_prio
         api_key_id=key.id,
         status=JobStatus.queued,
         prompt=prompt,
-        prompt_token_ids=body.prompt_token_ids,
+        prompt_token_ids=prompt_token_ids,
         messages=messages,
         params=body.sampling_params(),
         priority=priority,

@@ -32,6 +32,7 @@ from core.openai_responses import (
     job_failure,
     streamed_call_name,
     streamed_content_filter,
+    token_namer,
     tool_call_deltas,
     total_usage,
     usage,
@@ -136,7 +137,7 @@ class _JobRelay:
             choice["delta"] = arguments_delta(self.job, delta["index"], delta["text"], first)
         if self.num_top_logprobs is not None and delta.get("logprobs"):
             offset = self.text_offsets.get(delta["index"], 0)
-            logprobs = delta_logprobs(self.endpoint, delta, self.num_top_logprobs, offset)
+            logprobs = delta_logprobs(self.endpoint, delta, self.num_top_logprobs, offset, token_namer(self.job))
             choice["logprobs"] = logprobs
             if "tokens" in logprobs:  # a completion's: the next chunk's text_offset starts past these tokens
                 self.text_offsets[delta["index"]] = offset + sum(len(token) for token in logprobs["tokens"])
@@ -158,7 +159,7 @@ class _JobRelay:
         choices = [delta_choice(self.endpoint, choice_index(self.job, self.prompt_index, i), prompt)
                    for i in range(self.job.params["n"])]
         if scores is not None and self.num_top_logprobs is not None:
-            logprobs = echo_logprobs(scores, self.num_top_logprobs)
+            logprobs = echo_logprobs(scores, self.num_top_logprobs, token_namer(self.job))
             self.text_offsets = dict.fromkeys(range(self.job.params["n"]), sum(map(len, logprobs["tokens"])))
             choices = [{**choice, "logprobs": logprobs} for choice in choices]
         return self._chunk(choices)

@@ -162,6 +162,8 @@ class OpenAIRequest(OpenAIBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     priority: int | None = Field(None, ge=-1000, le=1000, description="lower runs earlier (vLLM's); omitted: 0")
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens as "token_id:<id>"
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=131_072)  # vLLM's: keep the prompt's last N tokens
     use_beam_search: bool = False  # vLLM's; false is accepted, true refused: beam search is a job's beam_width
 
     _only_when_streaming = field_validator("stream_options")(_only_with("stream"))
@@ -181,10 +183,12 @@ class OpenAIRequest(OpenAIBody):
         sampling = self._sampling()
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user, **self._metadata()}
+        if self.return_tokens_as_token_ids:
+            metadata["openai_token_ids"] = True
         priority = {} if self.priority is None else {"priority": self.priority}  # unset: the key's default
-        return JobCreate(**sampling, **prompt, **priority, stop=stop, max_tokens=max_tokens, logprobs=logprobs,
-                         prompt_logprobs=prompt_logprobs, structured_outputs=self._structured_outputs(),
-                         metadata=metadata)
+        return JobCreate(**sampling, **prompt, **priority, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                         stop=stop, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                         structured_outputs=self._structured_outputs(), metadata=metadata)
 
     def _sampling(self) -> dict[str, Any]:
         """The sampling fields the job takes as they are."""

@@ -93,19 +93,32 @@ def _token_text(token_id: int) -> str:
     return configured_prompt_model().tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+TokenNamer = Callable[[int], str]
+
+
+def token_namer(job: Job) -> TokenNamer:
+    """How a job's logprobs name tokens: by their text, or as `token_id:<id>` where the request asked for
+    vLLM's `return_tokens_as_token_ids` (so a client recovers the exact ids)."""
+    return _token_id_text if (job.metadata_ or {}).get("openai_token_ids") else _token_text
+
+
 # (token text, its logprob, the top alternatives); no logprob nor alternatives for a prompt's first token
 Step = tuple[str, float | None, list[tuple[str, float]] | None]
 
 
-def _steps(token_ids: list[int], logprobs: list[dict[str, float] | None], num_top: int) -> list[Step]:
+def _steps(token_ids: list[int], logprobs: list[dict[str, float] | None], num_top: int, name: TokenNamer) -> list[Step]:
     """One step per token; the engine adds each token to its own top-k, so it is always there."""
     steps: list[Step] = []
     for token_id, step in zip(token_ids, logprobs, strict=True):
         if step is None:  # nothing predicts a prompt's first token
-            steps.append((_token_text(token_id), None, None))
+            steps.append((name(token_id), None, None))
             continue
         top = sorted(((int(k), v) for k, v in step.items()), key=lambda kv: -kv[1])[:num_top]
-        steps.append((_token_text(token_id), step[str(token_id)], [(_token_text(i), lp) for i, lp in top]))
+        steps.append((name(token_id), step[str(token_id)], [(name(i), lp) for i, lp in top]))
     return steps
 
 
@@ -131,24 +144,26 @@ def _chat_logprobs(steps: list[Step]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def delta_logprobs(endpoint: str, delta: dict[str, Any], num_top: int, text_offset: int) -> dict[str, Any]:
+def delta_logprobs(endpoint: str, delta: dict[str, Any], num_top: int, text_offset: int,
+                   name: TokenNamer) -> dict[str, Any]:
     """The logprobs of a stream chunk's new tokens (`delta`: token_ids and their logprobs); a completion's
     text_offset counts on from `text_offset`, the length of the tokens streamed before."""
-    steps = _steps(delta["token_ids"], delta["logprobs"], num_top)
+    steps = _steps(delta["token_ids"], delta["logprobs"], num_top, name)
     return _chat_logprobs(steps) if endpoint == CHAT_COMPLETIONS else _completion_logprobs(steps, text_offset)
 
 
-def echo_logprobs(scores: dict[str, Any], num_top: int) -> dict[str, Any]:
+def echo_logprobs(scores: dict[str, Any], num_top: int, name: TokenNamer) -> dict[str, Any]:
     """The logprobs of a completion's echoed prompt (`scores`: its prompt_token_ids and prompt_logprobs), the first
     token's null: what a stream's echo chunk carries."""
-    return _completion_logprobs(_steps(scores["prompt_token_ids"], scores["prompt_logprobs"], num_top))
+    return _completion_logprobs(_steps(scores["prompt_token_ids"], scores["prompt_logprobs"], num_top, name))
 
 
-def _choice_steps(choice: dict[str, Any], num_top: int, with_prompt: bool) -> list[Step]:
+def _choice_steps(job: Job, choice: dict[str, Any], num_top: int, with_prompt: bool) -> list[Step]:
     """A choice's generated tokens' steps, after its prompt's when asked for and kept (echo with logprobs)."""
-    steps = _steps(choice["token_ids"], choice["logprobs"], num_top) if choice.get("logprobs") else []
+    name = token_namer(job)
+    steps = _steps(choice["token_ids"], choice["logprobs"], num_top, name) if choice.get("logprobs") else []
     if with_prompt and choice.get("prompt_logprobs"):
-        steps = _steps(choice["prompt_token_ids"], choice["prompt_logprobs"], num_top) + steps
+        steps = _steps(choice["prompt_token_ids"], choice["prompt_logprobs"], num_top, name) + steps
     return steps
 
 
@@ -158,7 +173,7 @@ def completion_body(job: Job, model: str) -> dict[str, Any]:
     echo = echoed_prompt(job)
 
     def logprobs(choice: dict[str, Any]) -> dict[str, Any] | None:
-        steps = _choice_steps(choice, num_top, bool(echo)) if num_top is not None else []
+        steps = _choice_steps(job, choice, num_top, bool(echo)) if num_top is not None else []
         return _completion_logprobs(steps) if steps else None
 
     choices = [{"index": c["index"], "text": echo + c["text"], "finish_reason": _finish_reason(c),
@@ -224,7 +239,7 @@ def chat_body(job: Job, model: str) -> dict[str, Any]:
     choices = [{
         "index": c["index"], "message": message(c), "finish_reason": _chat_finish_reason(job, c),
         "stop_reason": c.get("stop_reason"),
-        "logprobs": _chat_logprobs(steps) if num_top is not None and (steps := _choice_steps(c, num_top, False))
+        "logprobs": _chat_logprobs(steps) if num_top is not None and (steps := _choice_steps(job, c, num_top, False))
         else None,
     } for c in job.output or []]
     return {"id": job.id, "object": "chat.completion", "created": _created(job), "model": model,

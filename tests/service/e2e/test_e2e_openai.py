@@ -157,6 +157,27 @@ def test_stop_reason_names_the_stop_string_or_token_as_vllm_in_responses_and_str
     assert (chat.choices[0].model_extra["stop_reason"] == stop_token) == (chat.choices[0].finish_reason == "stop")
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_as_vllm(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    ids = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    params = {"model": model, "prompt": "Hi", "max_tokens": 4, "logprobs": 2, "temperature": 0.0, "extra_body": ids}
+    completion = openai_client.completions.create(**params)
+    token_ids = httpx.get(f"{live_api}/v1/jobs/{completion.id}", headers=auth_headers).json()["choices"][0]["token_ids"]
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens == [f"token_id:{i}" for i in token_ids]
+    assert all(key.startswith("token_id:") for top in logprobs.top_logprobs or [] for key in top)
+    streamed = [token for chunk in openai_client.completions.create(**params, stream=True)
+                for token in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else [])]
+    assert streamed == logprobs.tokens
+    chat = openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3, logprobs=True, top_logprobs=1, extra_body=ids)
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content and all(entry.token.startswith("token_id:") for entry in content)
+    plain = openai_client.completions.create(model=model, prompt="Hi", max_tokens=2, logprobs=1)
+    assert plain.choices[0].logprobs is not None and not plain.choices[0].logprobs.tokens[0].startswith("token_id:")
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
     openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str], service_model_dir: Path
 ) -> None:
