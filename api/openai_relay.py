@@ -61,7 +61,7 @@ async def cancel_unfinished(key: ApiKey, job_id: str) -> None:
 def failure(job: Job) -> ApiError | None:
     """Why a final job has no answer for its client, as the error to raise; None when it succeeded."""
     problem = job_failure(job)
-    return None if problem is None else ApiError(problem.status_code, problem.message, None)
+    return None if problem is None else ApiError(problem.status_code, problem.message, problem.field)
 
 
 async def wait_for_job(request: Request, key: ApiKey, job_id: str, timeout_s: float) -> Job | None:
@@ -125,9 +125,9 @@ class _JobRelay:
             payload["usage"] = usage(self.job, self.completion_tokens)
         return _data(payload)
 
-    def _error(self, status_code: int, message: str) -> str:
+    def _error(self, status_code: int, message: str, field: str | None = None) -> str:
         self.ok = False
-        return _data({"error": error_object(status_code, message, None)})
+        return _data({"error": error_object(status_code, message, field)})
 
     def _token_choice(self, delta: dict[str, Any], first: bool) -> dict[str, Any]:
         """The chunk choice of a token delta (the `first` text of its choice to be sent), with its tokens' logprobs
@@ -199,7 +199,7 @@ class _JobRelay:
                     self.job = event.job
                     problem = failure(event.job)
                     if problem is not None:
-                        yield self._error(problem.status_code, problem.message)
+                        yield self._error(problem.status_code, problem.message, problem.field)
                         return
                     self.completion_tokens = event.job.completion_tokens or 0
                     if scored_echo:  # no token event carried the scores (Redis lost them): the job keeps them

@@ -27,7 +27,7 @@ def _result(
         return True, {**line, "response": response, "error": None}
     if job.status is JobStatus.cancelled:
         return False, {**line, "response": None, "error": cancelled}
-    body = {"error": error_object(problem.status_code, problem.message, None)}
+    body = {"error": error_object(problem.status_code, problem.message, problem.field)}
     return False, {**line, "response": {"status_code": problem.status_code, "request_id": job.id, "body": body},
                    "error": None}
 

@@ -5,6 +5,7 @@ Torch-free and HTTP-free: the API answers with them, and a worker writes a finis
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -12,6 +13,7 @@ from core.job_payload import REFUSED
 from core.model_files import model_names
 from core.models import Job, JobStatus
 from core.prompts import configured_prompt_model
+from core.sampling_fields import SAMPLING_FIELDS
 from core.settings import get_settings
 from core.tool_calls import NAMED_PREFIX, streamable_content, tool_calls
 
@@ -22,10 +24,26 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 
 
 class JobFailure(NamedTuple):
-    """Why a final job has no answer for its client: the HTTP status to answer with and the message."""
+    """Why a final job has no answer for its client: the HTTP status to answer with, the message, and the job field
+    a refusal blames (None otherwise)."""
 
     status_code: int
     message: str
+    field: str | None = None
+
+
+# a refusal's message begins with the job field it blames ("allowed_token_ids holds only stop tokens...",
+# "structured_outputs.choice could not be followed..."), after the runner's prefix when the params were invalid
+_BLAMED_FIELD = re.compile(r"(?:invalid sampling parameters: )?([a-z_]+)(\.[a-z_]+)?\b")
+_PROMPT_FIELDS = frozenset({"prompt", "prompt_token_ids", "messages"})
+
+
+def _refusal_field(refusal: str) -> str | None:
+    """The job field a refusal's message names first, if it names one."""
+    match = _BLAMED_FIELD.match(refusal)
+    if match is None or not (match.group(1) in SAMPLING_FIELDS or match.group(1) in _PROMPT_FIELDS):
+        return None
+    return match.group(1) + (match.group(2) or "")
 
 
 def served_model_names() -> list[str]:
@@ -59,8 +77,10 @@ def job_failure(job: Job) -> JobFailure | None:
         return None
     if job.status is JobStatus.cancelled:
         return JobFailure(409, f"job {job.id} was cancelled before it finished")
-    status_code = 400 if (job.error or "").startswith(REFUSED) else 500
-    return JobFailure(status_code, f"job {job.id} failed: {job.error}")
+    error = job.error or ""
+    if error.startswith(REFUSED):
+        return JobFailure(400, f"job {job.id} failed: {error}", _refusal_field(error.removeprefix(REFUSED)))
+    return JobFailure(500, f"job {job.id} failed: {error}")
 
 
 def _created(job: Job) -> int:

@@ -82,7 +82,7 @@ async def _answer(
         return Response(status_code=499)
     for final in finals:
         if (problem := failure(final)) is not None:
-            raise problem
+            raise openai_named(problem, body.sent_as())  # a refusal names the field as the client sent it
     return JSONResponse(merged_body(finals, model, endpoint))
 
 

@@ -455,3 +455,31 @@ def test_the_built_in_model_answers_to_its_hugging_face_id_too() -> None:
     assert model_names(DEFAULT_MODEL) == [DEFAULT_MODEL, hf_id] and model_names(hf_id) == [hf_id, DEFAULT_MODEL]
     assert converted_dir(hf_id) == converted_dir(DEFAULT_MODEL)  # `pagedserve up <hf id>` serves the built-in
     assert model_names("/models/other") == ["/models/other"]
+
+
+@pytest.mark.parametrize(("error", "field"), [
+    ("refused: allowed_token_ids holds only stop tokens (EOS or stop_token_ids), which min_tokens (2) holds back",
+     "allowed_token_ids"),
+    ("refused: structured_outputs.choice could not be followed: lexer error", "structured_outputs.choice"),
+    ("refused: invalid sampling parameters: n must be an integer between 1 and 64, got 99", "n"),
+    ("refused: the engine could not place it", None),
+    ("RuntimeError: worker crashed", None),
+])
+def test_a_refused_jobs_error_names_the_field_its_refusal_blames(error: str, field: str | None) -> None:
+    from core.models import Job, JobStatus
+    from core.openai_responses import job_failure
+
+    failure = job_failure(Job(id="job_x", status=JobStatus.failed, error=error))
+    assert failure is not None and failure.field == field
+    assert failure.status_code == (400 if error.startswith("refused: ") else 500)
+
+
+def test_a_refusal_names_the_field_as_the_client_sent_it() -> None:
+    from api.errors import ApiError
+    from api.openai_schemas import openai_named
+
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"], "max_tokens": 2})
+    named = openai_named(ApiError(400, "structured_outputs.choice could not be followed", "structured_outputs.choice"),
+                         request.sent_as())
+    assert named.field == "guided_choice"
