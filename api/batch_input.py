@@ -73,8 +73,8 @@ def build_line(key: ApiKey, number: int, line: dict[str, Any], endpoint: str, ba
             raise ApiError(400, "stream is not supported in a batch", "stream")
         job_create = request.to_job()
         job_create.metadata = {**(job_create.metadata or {}), "batch_id": batch_id, "custom_id": custom_id}
-        # unless a line asks otherwise, below interactive traffic, in the broker and the engine
-        job = build_job(key, job_create, default_priority=get_settings().batch_priority)
+        # below interactive traffic, in the broker and the engine (a line may ask to run later still)
+        job = build_job(key, job_create, batch_priority=get_settings().batch_priority)
     except ValidationError as exc:
         message, param = validation_errors(list(exc.errors()))
         return BatchLine(number, custom_id, None, error_object(400, message, param))

@@ -33,23 +33,28 @@ def priority_floor(key: ApiKey) -> int:
     return key.priority_floor if key.priority_floor is not None else get_settings().priority_floor
 
 
-def job_priority(key: ApiKey, body: JobCreate, default: int, field: str) -> int:
-    """The priority a job runs at: the one asked (403 when more urgent than the key's floor), else the default
-    raised to the floor. An urgent job preempts other tenants' running ones, so only the operator grants urgency."""
-    floor = priority_floor(key)
+def job_priority(key: ApiKey, body: JobCreate, default: int, field: str, batch: bool = False) -> int:
+    """The priority a job runs at: the one asked, else the default, never more urgent than the key's floor (an
+    urgent job preempts other tenants' running ones, so only the operator grants urgency) nor, for a batch line,
+    than the batch priority (batches yield to interactive traffic). Asking beyond either is a 403."""
+    key_floor = priority_floor(key)
+    floor = max(key_floor, default) if batch else key_floor
     if "priority" not in body.model_fields_set:
         return max(default, floor)
     if body.priority < floor:
-        raise ApiError(403, f"{field} {body.priority} is more urgent than API key {key.id} may ask: its priority "
-                       f"floor is {floor} (lower runs earlier; an operator changes it with `pagedserve keys update "
-                       f"{key.id} --priority-floor N`)", field)
+        why = (f"batch lines run at the batch priority {default} or later" if floor > key_floor else
+               f"API key {key.id}'s priority floor is {key_floor} (an operator changes it with `pagedserve keys "
+               f"update {key.id} --priority-floor N`)")
+        raise ApiError(403, f"{field} {body.priority} is more urgent than this request may ask (lower runs "
+                       f"earlier): {why}", field)
     return body.priority
 
 
-def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", default_priority: int = 0) -> Job:
+def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", batch_priority: int | None = None) -> Job:
     """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context;
-    a request without a priority gets `default_priority` (never more urgent than the key's floor)."""
-    priority = job_priority(key, body, default_priority, field_prefix + "priority")
+    a batch line (`batch_priority` given) runs at that priority or a less urgent one it asks for."""
+    priority = job_priority(key, body, 0 if batch_priority is None else batch_priority, field_prefix + "priority",
+                            batch=batch_priority is not None)
     model = prompt_model()
     # unset tool fields stay out: chat templates test for the keys ('tool_calls' in message), not their values
     messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None

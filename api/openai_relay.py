@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from api import jobs
 from api.errors import ApiError
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_final, follow_job
-from api.openai_schemas import StreamOptions
+from api.openai_schemas import StreamOptions, openai_named
 from core.db import session_factory
 from core.models import ApiKey, Job
 from core.openai_responses import (
@@ -105,9 +105,10 @@ class _JobRelay:
     id and creation time of `response` (the request's first job), as one OpenAI response has one id."""
 
     def __init__(self, job: Job, prompt_index: int, response: Job, model: str, endpoint: str,
-                 continuous_usage: bool) -> None:
+                 continuous_usage: bool, sent_as: dict[str, str]) -> None:
         self.job, self.prompt_index, self.response = job, prompt_index, response
         self.model, self.endpoint = model, endpoint
+        self.sent_as = sent_as  # job field -> the request's, to name a refusal's field as the client sent it
         self.continuous_usage = continuous_usage
         self.num_top_logprobs: int | None = job.params.get("logprobs")
         self.text_offsets: dict[int, int] = {}  # per choice: the text length its streamed tokens' logprobs cover
@@ -199,7 +200,8 @@ class _JobRelay:
                     self.job = event.job
                     problem = failure(event.job)
                     if problem is not None:
-                        yield self._error(problem.status_code, problem.message, problem.field)
+                        named = openai_named(problem, self.sent_as)
+                        yield self._error(named.status_code, named.message, named.field)
                         return
                     self.completion_tokens = event.job.completion_tokens or 0
                     if scored_echo:  # no token event carried the scores (Redis lost them): the job keeps them
@@ -212,7 +214,8 @@ class _JobRelay:
 
 
 async def stream_jobs(
-    request: Request, key: ApiKey, jobs: list[Job], model: str, endpoint: str, options: StreamOptions | None
+    request: Request, key: ApiKey, jobs: list[Job], model: str, endpoint: str, options: StreamOptions | None,
+    sent_as: dict[str, str],
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, one job after another, ending with `data: [DONE]`.
 
@@ -225,7 +228,7 @@ async def stream_jobs(
     usages = []
     try:
         for prompt_index, job in enumerate(jobs):
-            relay = _JobRelay(job, prompt_index, jobs[0], model, endpoint, continuous_usage)
+            relay = _JobRelay(job, prompt_index, jobs[0], model, endpoint, continuous_usage, sent_as)
             async for line in relay.lines():
                 if await request.is_disconnected():
                     return

@@ -9,7 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from api.errors import ApiError
 from api.prompts import prompt_model
-from api.schemas import JobCreate, MetadataValue, StorableStr, StructuredOutputsIn, sampling_bounds
+from api.schemas import (
+    JobCreate,
+    MetadataValue,
+    StorableStr,
+    StructuredOutputsIn,
+    TruncatePromptTokens,
+    sampling_bounds,
+)
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, served_model_names
 from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import get_settings
@@ -161,9 +168,10 @@ class OpenAIRequest(OpenAIBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    priority: int | None = Field(None, ge=-1000, le=1000, description="lower runs earlier (vLLM's); omitted: 0")
+    priority: int | None = Field(None, ge=-1000, le=1000, description="lower runs earlier (vLLM's); omitted: 0, or "
+                                 "the API key's priority floor when above it")
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens as "token_id:<id>"
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=131_072)  # vLLM's: keep the prompt's last N tokens
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: keep the prompt's last N tokens
     use_beam_search: bool = False  # vLLM's; false is accepted, true refused: beam search is a job's beam_width
 
     _only_when_streaming = field_validator("stream_options")(_only_with("stream"))
@@ -533,6 +541,8 @@ class ChatCompletionRequest(OpenAIRequest):
             num_prompt_tokens = model.count_tokens(model.render_chat(messages, tools=tools, options=options))
         except PromptFieldError as exc:
             raise ApiError(400, str(exc), exc.field) from exc
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens > 0:  # what remains of it runs
+            num_prompt_tokens = min(num_prompt_tokens, self.truncate_prompt_tokens)
         return max(1, model.max_model_len - num_prompt_tokens)
 
 

@@ -246,6 +246,15 @@ class ToolIn(BaseModel):
     function: FunctionIn
 
 
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("must be a number of tokens to keep (1 or more), or -1 for as many as fit")
+    return value
+
+
+TruncatePromptTokens = Annotated[int, Field(ge=-1, le=131_072), AfterValidator(_not_zero)]
+
+
 class JobCreate(SamplingParamsIn):
     """Body of POST /v1/jobs: a prompt or chat messages, sampling parameters and delivery options."""
 
@@ -261,9 +270,9 @@ class JobCreate(SamplingParamsIn):
         "(needs add_generation_prompt false)")
     chat_template_kwargs: StorableJsonObject | None = Field(
         None, max_length=64, description="with messages: extra variables for the chat template (enable_thinking...)")
-    truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, le=131_072, description="keep only the prompt's last N tokens (vLLM's; -1: as many as fit "
-        "beside max_tokens); a chat's rendered prompt is cut alike")
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        None, description="keep only the prompt's last N tokens (vLLM's; -1: as many as fit beside max_tokens); a "
+        "chat's rendered prompt is cut alike")
     priority: int = Field(0, ge=-1000, le=1000)
     metadata: dict[StorableStr, MetadataValue] | None = Field(None, max_length=32)
     webhook_url: StorableStr | None = Field(None, min_length=1, max_length=2048)

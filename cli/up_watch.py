@@ -13,7 +13,7 @@ from core.logging import log_event
 logger = logging.getLogger("pagedserve.cli")
 POLL_S = 0.5
 FIRST_RESTART_DELAY_S = 1.0
-MAX_RESTART_DELAY_S = 30.0
+MAX_RESTART_DELAY_S = 30.0  # reached only if MAX_QUICK_DEATHS is raised
 STABLE_RUN_S = 60.0  # a worker that ran this long died of something else than its start-up
 MAX_QUICK_DEATHS = 5  # in a row: the worker cannot start (its log says why), so `up` stops
 
@@ -27,10 +27,13 @@ class RestartPolicy:
 
     def delay_after(self, ran_s: float) -> float | None:
         """The wait before the next start of a worker that died after running `ran_s` seconds."""
-        self.quick_deaths = 0 if ran_s >= STABLE_RUN_S else self.quick_deaths + 1
+        if ran_s >= STABLE_RUN_S:
+            self.quick_deaths = 0
+            return FIRST_RESTART_DELAY_S
+        self.quick_deaths += 1
         if self.quick_deaths >= MAX_QUICK_DEATHS:
             return None
-        return min(MAX_RESTART_DELAY_S, FIRST_RESTART_DELAY_S * 2 ** self.quick_deaths)
+        return min(MAX_RESTART_DELAY_S, FIRST_RESTART_DELAY_S * 2 ** (self.quick_deaths - 1))
 
 
 def watch(processes: list[subprocess.Popen[bytes]], worker_index: int,

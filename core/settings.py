@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, Field, field_serializer, field_validator, model_validator
+from pydantic import ByteSize, Field, ValidationInfo, field_serializer, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -119,6 +119,15 @@ class Settings(BaseSettings):
                                 "have unless the key has its own floor (a lower one asked is 403)")
     batch_priority: int = Field(500, ge=-1000, le=1000, description="priority of Batch API jobs (lower runs "
                                 "earlier; interactive jobs default to 0, so batches yield to them)")
+
+    @field_validator("webhook_concurrency_per_key")
+    @classmethod
+    def _one_key_leaves_threads_to_others(cls, value: int, info: ValidationInfo) -> int:
+        threads = info.data.get("webhook_concurrency")
+        if threads is not None and value >= threads:
+            raise ValueError(f"must be below webhook_concurrency ({threads}): one API key's slow receivers may not "
+                             "hold every delivery thread")
+        return value
 
     @model_validator(mode="after")
     def _auto_tool_choice_has_a_parser(self) -> Settings:

@@ -9,8 +9,8 @@ from cli.up_watch import FIRST_RESTART_DELAY_S, MAX_QUICK_DEATHS, MAX_RESTART_DE
 def test_quick_deaths_double_the_delay_and_a_run_of_them_gives_up() -> None:
     policy = RestartPolicy()
     delays = [policy.delay_after(1.0) for _ in range(MAX_QUICK_DEATHS - 1)]
-    assert delays == [min(MAX_RESTART_DELAY_S, FIRST_RESTART_DELAY_S * 2 ** n) for n in range(1, MAX_QUICK_DEATHS)]
-    assert policy.delay_after(1.0) is None
+    assert delays == [min(MAX_RESTART_DELAY_S, FIRST_RESTART_DELAY_S * 2 ** n) for n in range(MAX_QUICK_DEATHS - 1)]
+    assert delays[:2] == [1.0, 2.0] and policy.delay_after(1.0) is None
 
 
 def test_a_long_run_starts_the_count_over() -> None:
@@ -18,4 +18,4 @@ def test_a_long_run_starts_the_count_over() -> None:
     for _ in range(MAX_QUICK_DEATHS - 1):
         policy.delay_after(0.5)
     assert policy.delay_after(STABLE_RUN_S) == FIRST_RESTART_DELAY_S
-    assert policy.delay_after(0.5) == FIRST_RESTART_DELAY_S * 2
+    assert policy.delay_after(0.5) == FIRST_RESTART_DELAY_S  # the first quick death of a new count

@@ -1,6 +1,8 @@
 """Webhook deliveries on threads of their own, apart from the job slots: a receiver that never answers holds a
 delivery thread for its deadline, never a slot an engine job needs, and one API key's deliveries take at most
-`webhook_concurrency_per_key` threads, so one tenant's slow receiver delays no other tenant's webhooks.
+`webhook_concurrency_per_key` threads (fewer than all). A key's next waiting delivery joins the back of the pool's
+queue when one of its attempts ends, so another tenant's delivery waits at most about one attempt's deadline
+behind slow receivers, never behind their backlogs.
 
 The Celery task only hands the delivery id over, so its message is acknowledged before the attempt: a delivery a
 dying worker held (claimed or still waiting here) is pending and overdue in the store, and the reaper's reconcile
@@ -36,6 +38,7 @@ class DeliveryPool:
         # the ids in _waiting: the reaper re-enqueues a delivery that waits past the reconcile grace, and that copy
         # is dropped rather than queued twice (a copy of a running one runs: its claim finds the attempt taken)
         self._waiting_ids: set[str] = set()
+        self._stopping = False
 
     def submit(self, delivery_id: str) -> None:
         """Queue one attempt of a delivery (it is skipped when not due, as `webhooks.deliver` decides)."""
@@ -43,7 +46,7 @@ class DeliveryPool:
         if key_id is None:
             return  # no such delivery (its job was deleted with it)
         with self._lock:
-            if delivery_id in self._waiting_ids:
+            if delivery_id in self._waiting_ids or self._stopping:
                 return
             if self._running[key_id] >= self._per_key:
                 self._waiting[key_id].append(delivery_id)
@@ -53,26 +56,27 @@ class DeliveryPool:
         self._executor.submit(self._attempt, key_id, delivery_id)
 
     def _attempt(self, key_id: str, delivery_id: str) -> None:
-        while True:
-            try:
-                webhooks.deliver(delivery_id)
-            except Exception:  # the delivery stays pending; the reaper re-enqueues it once overdue
-                logger.exception("webhook.attempt_failed delivery_id=%s", delivery_id)
-            with self._lock:  # this thread goes on with the key's next waiting delivery, if any
-                waiting = self._waiting.get(key_id)
-                if waiting:
-                    delivery_id = waiting.popleft()
-                    self._waiting_ids.discard(delivery_id)
-                    continue
-                self._waiting.pop(key_id, None)
-                self._running[key_id] -= 1
-                if not self._running[key_id]:
-                    del self._running[key_id]
+        try:
+            webhooks.deliver(delivery_id)
+        except Exception:  # the delivery stays pending; the reaper re-enqueues it once overdue
+            logger.exception("webhook.attempt_failed delivery_id=%s", delivery_id)
+        with self._lock:  # the key's next waiting delivery takes this attempt's place, at the back of the queue
+            waiting = self._waiting.get(key_id)
+            if waiting and not self._stopping:
+                following = waiting.popleft()
+                self._waiting_ids.discard(following)
+                self._executor.submit(self._attempt, key_id, following)
                 return
+            self._waiting.pop(key_id, None)
+            self._running[key_id] -= 1
+            if not self._running[key_id]:
+                del self._running[key_id]
 
     def shutdown(self) -> None:
-        """Finish the attempts in progress (each within its deadline); drop the queued ones, which stay pending in
-        the store for the reaper."""
+        """Finish the attempts in progress (each within its deadline); drop the queued and waiting ones, which stay
+        pending in the store for the reaper."""
+        with self._lock:
+            self._stopping = True
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 

@@ -74,7 +74,7 @@ async def _answer(
     model = body.model or served_model_id()  # the served name asked for, as vLLM answers
     if body.stream:
         return StreamingResponse(
-            stream_jobs(request, key, jobs, model, endpoint, body.stream_options),
+            stream_jobs(request, key, jobs, model, endpoint, body.stream_options, body.sent_as()),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     finals = await wait_for_jobs(request, key, [job.id for job in jobs], get_settings().openai_timeout_s)

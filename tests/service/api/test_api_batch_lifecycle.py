@@ -148,17 +148,18 @@ def test_cancelling_a_batch_whose_jobs_all_ended_is_refused_naming_its_state(
     assert refused.status_code == 409 and "already completed" in refused.json()["error"]["message"]
 
 
-def test_a_lines_priority_is_honoured_within_the_keys_floor_and_refused_beyond_it(
+def test_a_line_may_run_later_than_the_batch_priority_but_never_sooner(
     client: TestClient, auth_headers: dict[str, str]
 ) -> None:
-    batch, job_ids = _create(client, auth_headers, 3, {1: {"priority": 100}, 2: {"priority": -5}})
+    batch, job_ids = _create(client, auth_headers, 3, {1: {"priority": 700}, 2: {"priority": 0}})
     ran = [job_id for job_id in job_ids if job_id != "None"]
     priorities = [client.get(f"/v1/jobs/{job_id}", headers=auth_headers).json()["priority"] for job_id in ran]
-    assert priorities == [500, 100]  # without a priority of its own a line runs at the batch priority
+    assert priorities == [500, 700]  # without a priority of its own a line runs at the batch priority
     for job_id in ran:
         _run(job_id)
         with session_factory()() as session:
             batch_progress.refresh_batch_of_job(session, job_id)
     (refused,) = _lines(client, auth_headers, _stored(batch["id"]).error_file_id or "")
     assert refused["custom_id"] == "r2" and refused["response"]["status_code"] == 403
-    assert refused["response"]["body"]["error"]["param"] == "priority"
+    error = refused["response"]["body"]["error"]
+    assert error["param"] == "priority" and "batch priority 500" in error["message"]

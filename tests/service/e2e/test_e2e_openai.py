@@ -178,6 +178,22 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_as_vllm(
     assert plain.choices[0].logprobs is not None and not plain.choices[0].logprobs.tokens[0].startswith("token_id:")
 
 
+def test_a_refused_jobs_error_names_the_field_it_blames_answered_or_streamed(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str], service_model_dir: Path
+) -> None:
+    eos = json.loads((service_model_dir / "config.json").read_text())["eos_token_id"]
+    body = {"model": model, "prompt": "Hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [eos]}
+    with pytest.raises(openai.BadRequestError) as refused:  # the worker refuses it: no token could be sampled
+        openai_client.completions.create(**{k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens")},
+                                         extra_body={"min_tokens": 2, "allowed_token_ids": [eos]})
+    assert refused.value.param == "allowed_token_ids"
+    with httpx.stream("POST", f"{live_api}/v1/completions", json={**body, "stream": True}, headers=auth_headers,
+                      timeout=60) as stream:
+        errors = [json.loads(line[6:])["error"] for line in stream.iter_lines()
+                  if line.startswith("data: {") and '"error"' in line]
+    assert [error["param"] for error in errors] == ["allowed_token_ids"]
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
     openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str], service_model_dir: Path
 ) -> None:

@@ -56,11 +56,12 @@ def test_one_keys_receiver_that_never_answers_takes_at_most_its_share_of_threads
     slow_tenant, other_tenant = new_auth_headers("slow"), new_auth_headers("other")
     held = [_finished_job_delivery(service_settings, slow_tenant, held_receiver.url) for _ in range(6)]
     other = _finished_job_delivery(service_settings, other_tenant, webhook_receiver.url)
-    pool = DeliveryPool(threads=4, per_key=2)
+    pool = DeliveryPool(threads=3, per_key=2)
     try:
-        for delivery_id in [*held, held[-1], other]:  # the repeat is the reaper's copy of a waiting delivery
+        for delivery_id in [*held, held[-1]]:  # the repeat is the reaper's copy of a waiting delivery
             pool.submit(delivery_id)
-        # the other tenant's delivery gets a thread while the slow tenant's two attempts hang
+        wait_until(lambda: len(held_receiver.received) == 2, 30, "two held attempts")
+        pool.submit(other)  # its own thread, while the slow tenant's two attempts hang
         wait_until(lambda: _statuses([other]) == [DeliveryStatus.delivered], 30, "the other tenant's delivery")
         assert held_receiver.most_at_once == 2 and len(held_receiver.received) == 2
         held_receiver.release()
@@ -69,3 +70,22 @@ def test_one_keys_receiver_that_never_answers_takes_at_most_its_share_of_threads
         held_receiver.release()
         pool.shutdown()
     assert held_receiver.most_at_once == 2 and len(held_receiver.received) == 6  # one attempt each, in turn
+
+
+def test_a_waiting_delivery_goes_behind_other_keys_work_and_shutdown_drops_the_waiting_ones(
+    service_settings: Settings, new_auth_headers: Callable[..., dict[str, str]], held_receiver: WebhookReceiver,
+    webhook_receiver: WebhookReceiver,
+) -> None:
+    slow_tenant, other_tenant = new_auth_headers("slow-2"), new_auth_headers("other-2")
+    held = [_finished_job_delivery(service_settings, slow_tenant, held_receiver.url) for _ in range(4)]
+    others = [_finished_job_delivery(service_settings, other_tenant, webhook_receiver.url) for _ in range(3)]
+    pool = DeliveryPool(threads=2, per_key=1)
+    for delivery_id in held:
+        pool.submit(delivery_id)
+    wait_until(lambda: len(held_receiver.received) == 1, 30, "the slow tenant's first attempt")
+    for delivery_id in others:  # one free thread: the other tenant's deliveries go through it, one after another
+        pool.submit(delivery_id)
+    wait_until(lambda: set(_statuses(others)) == {DeliveryStatus.delivered}, 30, "the other tenant's deliveries")
+    held_receiver.release()
+    pool.shutdown()  # the slow tenant's waiting deliveries are dropped (pending, for the reaper), not run
+    assert len(held_receiver.received) < len(held) and DeliveryStatus.pending in _statuses(held)
