@@ -241,6 +241,13 @@ def test_tensor_parallel_size_takes_one_device_per_worker(capsys: pytest.Capture
         capsys, "worker", "--tensor-parallel-size", "2")
 
 
+def test_one_key_may_not_take_every_webhook_thread(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--webhook-concurrency-per-key (PAGEDSERVE_WEBHOOK_CONCURRENCY_PER_KEY)" in _refused(
+        capsys, "worker", "--webhook-concurrency", "4", "--webhook-concurrency-per-key", "4")
+    assert _settings("worker", "--webhook-concurrency", "4", "--webhook-concurrency-per-key", "3"
+                     ).webhook_concurrency_per_key == 3
+
+
 def test_pipeline_parallel_size_is_one_stage_per_worker(capsys: pytest.CaptureFixture[str]) -> None:
     assert _settings("up", "--pipeline-parallel-size", "1").pipeline_parallel_size == 1
     assert "--pipeline-parallel-size (PAGEDSERVE_PIPELINE_PARALLEL_SIZE)" in _refused(

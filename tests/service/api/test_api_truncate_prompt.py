@@ -61,3 +61,14 @@ def test_the_openai_requests_pass_it_to_their_jobs() -> None:
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "truncate_prompt_tokens": -1})
     assert chat.to_job().truncate_prompt_tokens == -1
     assert "truncate_prompt_tokens" not in completion.model_extra  # a field of its own, not an ignored one
+
+
+def test_zero_is_no_number_of_tokens_to_keep(client: TestClient, auth_headers: dict[str, str]) -> None:
+    response = client.post("/v1/jobs", json={"prompt": "x", "truncate_prompt_tokens": 0}, headers=auth_headers)
+    assert response.status_code == 422 and response.json()["error"]["field"] == "truncate_prompt_tokens"
+
+
+def test_a_truncated_chat_without_a_limit_may_fill_the_context_left_beside_what_it_keeps() -> None:
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": LONG}], "truncate_prompt_tokens": 30})
+    assert chat.to_job().max_tokens == prompt_model().max_model_len - 30
