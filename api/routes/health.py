@@ -24,13 +24,20 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/health", response_class=Response, responses={200: {"description": "the process is up (empty body)"}})
-@router.api_route("/ping", methods=["GET", "POST"], response_class=Response,
-                  responses={200: {"description": "the process is up (empty body)"}})
+_EMPTY_200 = {200: {"description": "the process is up (empty body)"}}
+
+
+@router.get("/health", response_class=Response, responses=_EMPTY_200)
 def health() -> Response:
-    """vLLM's liveness probes (`/health`, and `/ping` as SageMaker asks it): 200 with an empty body while the
-    process is up."""
+    """vLLM's liveness probe: 200 with an empty body while the process is up."""
     return Response(status_code=200)
+
+
+@router.get("/ping", response_class=Response, responses=_EMPTY_200)
+@router.post("/ping", response_class=Response, responses=_EMPTY_200)
+def ping() -> Response:
+    """vLLM's `/ping` (as SageMaker asks it, GET or POST): the liveness probe of `/health`."""
+    return health()
 
 
 def _check(name: str, probe: Callable[[], object]) -> str:
