@@ -33,16 +33,17 @@ def priority_floor(key: ApiKey) -> int:
     return key.priority_floor if key.priority_floor is not None else get_settings().priority_floor
 
 
-def job_priority(key: ApiKey, body: JobCreate, default: int, field: str, batch: bool = False) -> int:
-    """The priority a job runs at: the one asked, else the default, never more urgent than the key's floor (an
-    urgent job preempts other tenants' running ones, so only the operator grants urgency) nor, for a batch line,
-    than the batch priority (batches yield to interactive traffic). Asking beyond either is a 403."""
+def job_priority(key: ApiKey, body: JobCreate, field: str, batch_priority: int | None = None) -> int:
+    """The priority a job runs at: the one asked, else 0 (a batch line's: `batch_priority`), never more urgent than
+    the key's floor (an urgent job preempts other tenants' running ones, so only the operator grants urgency) nor,
+    for a batch line, than the batch priority (batches yield to interactive traffic). Asking beyond either is a
+    403."""
     key_floor = priority_floor(key)
-    floor = max(key_floor, default) if batch else key_floor
+    floor = key_floor if batch_priority is None else max(key_floor, batch_priority)
     if "priority" not in body.model_fields_set:
-        return max(default, floor)
+        return max(0 if batch_priority is None else batch_priority, floor)
     if body.priority < floor:
-        why = (f"batch lines run at the batch priority {default} or later" if floor > key_floor else
+        why = (f"batch lines run at the batch priority {batch_priority} or later" if floor > key_floor else
                f"API key {key.id}'s priority floor is {key_floor} (an operator changes it with `pagedserve keys "
                f"update {key.id} --priority-floor N`)")
         raise ApiError(403, f"{field} {body.priority} is more urgent than this request may ask (lower runs "
@@ -53,18 +54,18 @@ def job_priority(key: ApiKey, body: JobCreate, default: int, field: str, batch: 
 def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", batch_priority: int | None = None) -> Job:
     """A new queued job (not yet stored) for a request, with its prompt rendered and checked against the context;
     a batch line (`batch_priority` given) runs at that priority or a less urgent one it asks for."""
-    priority = job_priority(key, body, 0 if batch_priority is None else batch_priority, field_prefix + "priority",
-                            batch=batch_priority is not None)
+    priority = job_priority(key, body, field_prefix + "priority", batch_priority)
     model = prompt_model()
     # unset tool fields stay out: chat templates test for the keys ('tool_calls' in message), not their values
     messages = [m.model_dump(exclude_none=True) for m in body.messages] if body.messages else None
     field = "messages" if messages else "prompt_token_ids" if body.prompt_token_ids else "prompt"
-    prompt_token_ids = body.prompt_token_ids
+    prompt_token_ids, text = body.prompt_token_ids, None
     try:
-        if prompt_token_ids is None and body.truncate_prompt_tokens is not None:  # the ids whose start is cut
+        if prompt_token_ids is None:
             text = body.prompt if messages is None else model.render_chat(
                 messages, tools=body.chat_tools(), options=body.chat_template_options())
-            prompt_token_ids = model.tokenizer.encode(text or "").ids
+            if body.truncate_prompt_tokens is not None:  # the ids whose start is cut
+                prompt_token_ids = model.tokenizer.encode(text or "").ids
         if prompt_token_ids is not None and body.truncate_prompt_tokens is not None:
             keep = body.truncate_prompt_tokens
             keep = max(1, model.max_model_len - body.max_tokens) if keep == -1 else keep
@@ -76,8 +77,7 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", batch_priori
             # kept for reading back shows U+FFFD there instead
             prompt = model.tokenizer.decode(prompt_token_ids, skip_special_tokens=False).replace("\x00", "\ufffd")
         else:
-            prompt = body.prompt if messages is None else model.render_chat(
-                messages, tools=body.chat_tools(), options=body.chat_template_options())
+            prompt = text
             num_prompt_tokens = model.check_fits(prompt or "", body.max_tokens, field_prefix + field,
                                                  field_prefix + "max_tokens")
     except PromptTooLongError as exc:  # its field is prefixed already
