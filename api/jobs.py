@@ -92,6 +92,10 @@ def build_job(key: ApiKey, body: JobCreate, field_prefix: str = "", batch_priori
             model.check_token_ids(token_ids or [], field_prefix + name)
         except TokenIdError as exc:
             raise ApiError(422, str(exc), field_prefix + name) from exc
+    try:
+        model.check_samplable(body.allowed_token_ids, body.stop_token_ids or [], body.ignore_eos, body.min_tokens)
+    except PromptFieldError as exc:
+        raise ApiError(422, f"{field_prefix}{exc}", field_prefix + exc.field) from exc
     if body.structured_outputs is not None:
         try:
             grammar_of(body.structured_outputs.model_dump(by_alias=True))

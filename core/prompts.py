@@ -92,6 +92,8 @@ class PromptModel:
     vocab_size: int
     chat_template: str | None
     special_tokens: dict[str, str]
+    # what the engine stops at (config, generation config, tokenizer), which min_tokens holds back
+    eos_token_ids: frozenset[int] = frozenset()
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     options: ChatTemplateOptions | None = None) -> str:
@@ -147,6 +149,32 @@ class PromptModel:
             )
         return num_tokens
 
+    def check_samplable(self, allowed_token_ids: list[int] | None, stop_token_ids: list[int], ignore_eos: bool,
+                        min_tokens: int) -> None:
+        """PromptFieldError naming allowed_token_ids when min_tokens holds back every token it allows (the engine
+        refuses such a request: no token could be sampled)."""
+        if not min_tokens or allowed_token_ids is None:
+            return
+        held_back = set(stop_token_ids) | (set() if ignore_eos else self.eos_token_ids)
+        if set(allowed_token_ids) <= held_back:
+            raise PromptFieldError(f"allowed_token_ids holds only stop tokens (EOS or stop_token_ids), which "
+                                   f"min_tokens ({min_tokens}) holds back: no token could be sampled",
+                                   "allowed_token_ids")
+
+
+def _eos_token_ids(folder: Path, config: dict[str, Any], tokenizer: Tokenizer,
+                   special_tokens: dict[str, str], vocab_size: int) -> frozenset[int]:
+    """Every end-of-sequence id config.json, generation_config.json and the tokenizer name, as the engine's loader
+    gathers them (without transformers: the API is torch-free)."""
+    values: list[Any] = [config.get("eos_token_id")]
+    generation_config = folder / "generation_config.json"
+    if generation_config.exists():
+        values.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    if "eos_token" in special_tokens:
+        values.append(tokenizer.token_to_id(special_tokens["eos_token"]))
+    ids = {i for value in values for i in ([value] if isinstance(value, int) else value or [])}
+    return frozenset(i for i in ids if 0 <= i < vocab_size)
+
 
 def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
     tokens = {}
@@ -201,14 +229,17 @@ def load_prompt_model(
     if chat_template is not None:
         template = _given_chat_template(chat_template)
     tokenizer = Tokenizer.from_file(str(tok_folder / "tokenizer.json"))
+    # the engine's embedding table has config's vocab_size rows (often padded past the tokenizer's)
+    vocab_size = int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
+    special_tokens = _special_tokens(tok_config)
     return PromptModel(
         name=model,
         tokenizer=tokenizer,
         max_model_len=_context_length(config, max_model_len),
-        # the engine's embedding table has config's vocab_size rows (often padded past the tokenizer's)
-        vocab_size=int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True)),
+        vocab_size=vocab_size,
         chat_template=template if isinstance(template, str) else None,
-        special_tokens=_special_tokens(tok_config),
+        special_tokens=special_tokens,
+        eos_token_ids=_eos_token_ids(folder, config, tokenizer, special_tokens, vocab_size),
     )
 
 

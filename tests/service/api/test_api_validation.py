@@ -5,12 +5,14 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from core.prompts import load_prompt_model
 from core.settings import Settings, configure
 from core.webhook_urls import check_webhook_url
 
@@ -91,12 +93,35 @@ def test_bad_job_body_is_422_naming_the_field(
     ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # against max_tokens' default
     ({"prompt": "x", "n": 2, "beam_width": 2}, "beam_width"),
     ({"prompt": "x", "beam_width": 2, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    # min_tokens holds back EOS (<|im_end|>, id 1 of this tokenizer) and stop_token_ids: nothing else is samplable
+    ({"prompt": "x", "min_tokens": 2, "allowed_token_ids": [1]}, "allowed_token_ids"),
+    ({"prompt": "x", "min_tokens": 1, "allowed_token_ids": [1, 7], "stop_token_ids": [7]}, "allowed_token_ids"),
 ])
 def test_a_check_across_fields_names_the_field(
     client: TestClient, auth_headers: dict[str, str], body: dict[str, Any], field: str
 ) -> None:
     response = client.post("/v1/jobs", json=body, headers=auth_headers)
     assert response.status_code == 422 and response.json()["error"]["field"] == field, response.text
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "min_tokens": 2, "allowed_token_ids": [1], "ignore_eos": True},
+    {"prompt": "x", "min_tokens": 2, "allowed_token_ids": [1, 7]},
+    {"prompt": "x", "allowed_token_ids": [1]},
+])
+def test_allowed_stop_tokens_are_accepted_where_something_stays_samplable(
+    client: TestClient, auth_headers: dict[str, str], body: dict[str, Any]
+) -> None:
+    assert client.post("/v1/jobs", json=body, headers=auth_headers).status_code == 202
+
+
+def test_the_api_knows_the_eos_tokens_the_engine_holds_back(smollm2_dir: Path, tiny_model_dir: Path) -> None:
+    from engine.model_files import load_tokenizer
+    from engine.models.loader import eos_token_ids, load_config
+
+    for folder in (smollm2_dir, tiny_model_dir):
+        engine_ids = eos_token_ids(folder, load_config(folder), load_tokenizer(str(folder)))
+        assert engine_ids and load_prompt_model(str(folder)).eos_token_ids == engine_ids
 
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
