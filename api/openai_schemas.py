@@ -161,6 +161,7 @@ class OpenAIRequest(OpenAIBody):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias, clamped to [-100, 100] as vLLM does
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     # constrained output: OpenAI's response_format, vLLM's structured_outputs, or one of its guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -203,7 +204,7 @@ class OpenAIRequest(OpenAIBody):
         return self.model_dump(include={
             "n", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "min_tokens",
-            "stop_token_ids", "allowed_token_ids",
+            "stop_token_ids", "allowed_token_ids", "bad_words",
         }) | self._logit_bias()
 
     def _logit_bias(self) -> dict[str, Any]:

@@ -143,6 +143,7 @@ class SamplingParamsIn(BaseModel):
     logit_bias: dict[Annotated[int, Field(strict=False, ge=0)], Annotated[float, Field(ge=-100, le=100)]] | None = (
         _sampling_field("logit_bias"))  # keys come as JSON's text: "50256"
     allowed_token_ids: list[int] | None = _sampling_field("allowed_token_ids")
+    bad_words: list[StorableStr] | None = _sampling_field("bad_words")
     structured_outputs: StructuredOutputsIn | None = _sampling_field("structured_outputs")
 
 
@@ -151,6 +152,13 @@ class SamplingParamsIn(BaseModel):
     def _stop_strings(cls, value: list[str] | None) -> list[str] | None:
         if value and any(not 1 <= len(s) <= 256 for s in value):
             raise ValueError("each stop string must be 1 to 256 characters long")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(not word.strip() or len(word) > 256 for word in value):
+            raise ValueError("each bad word must be 1 to 256 characters long and not blank")
         return value
 
     @field_validator("stop_token_ids", "allowed_token_ids")
@@ -180,7 +188,7 @@ class SamplingParamsIn(BaseModel):
             raise ValueError(f"n must be 1 with beam search (beam_width best beams are returned), got n={n}")
         return value
 
-    @field_validator("structured_outputs", "logit_bias", "allowed_token_ids")
+    @field_validator("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words")
     @classmethod
     def _not_with_beam_search(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and info.data.get("beam_width", 1) > 1:

@@ -78,6 +78,8 @@ SAMPLING_FIELDS: dict[str, SamplingField] = {field.name: field for field in (
                   description="token id -> bias in [-100, 100] added to its logit before sampling"),
     SamplingField("allowed_token_ids", None, Bounds(0), Bounds(0), max_items=16_384,
                   description="only these token ids may be sampled"),
+    SamplingField("bad_words", None, Bounds(), Bounds(), max_items=64,
+                  description="words the output may not contain (each word's last token is masked after the rest)"),
     SamplingField("structured_outputs", None, Bounds(), Bounds(),
                   description="the output follows a JSON schema, regex, choice or grammar"),
 )}

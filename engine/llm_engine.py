@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.bad_words import bad_words_token_ids
 from engine.block_manager import BlockManager
 from engine.cache_engine import CacheEngine, blocks_in_budget, default_kv_cache_bytes, kv_block_bytes
 from engine.config import EngineConfig, resolve_dtype
@@ -163,6 +164,7 @@ class LLMEngine:
         validate_request(token_ids, params, self.limits)
         grammar = None if params.structured_outputs is None else self.grammars.start(params.structured_outputs)
         group = SequenceGroup.create(request_id, text, token_ids, params, priority, grammar)
+        group.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.limits.vocab_size)
         if group.generator is None:
             group.generator = self.generator
         start_offsets(group.seqs[0])

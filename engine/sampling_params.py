@@ -80,6 +80,7 @@ class SamplingParams:
     # vLLM's logit_bias: added to these tokens' logits before sampling (keys may be decimal text, as JSON keeps them)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] = field(default_factory=list)  # vLLM's: words the output may not contain (bad_words.py)
     # vLLM's structured outputs: exactly one of {"json": schema, "regex": ..., "choice": [...], "grammar": Lark or
     # GBNF, "json_object": True} (or a StructuredOutputsParams); the output then follows it
     # (engine/structured_output.py)
@@ -90,6 +91,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_id(key): value for key, value in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
@@ -168,6 +170,12 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _require(len(self.allowed_token_ids) > 0 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
                      f"allowed_token_ids must be a non-empty list of token ids >= 0, got {self.allowed_token_ids!r}")
+        _require(
+            all(isinstance(word, str) and word.strip() for word in self.bad_words),
+            f"bad_words must be a list of strings that are not blank, got {self.bad_words!r}",
+        )
+        _require(not self.bad_words or not self.is_beam_search, "bad_words cannot be combined with beam search "
+                 "(beam_width > 1)")
         for name in ("logit_bias", "allowed_token_ids"):
             _require(getattr(self, name) is None or not self.is_beam_search,
                      f"{name} cannot be combined with beam search (beam_width > 1)")

@@ -120,6 +120,7 @@ class SequenceGroup:
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     refused: bool = False  # the failure is the request's own: its constraint could not be followed
     logit_edits: LogitEdits | None = None  # its logit_bias / allowed_token_ids as tensors, made by the sampler once
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized (bad_words.py)
     # with params.prompt_logprobs: position i's entry holds token i's logprob given the tokens before it (the first
     # token has none); filled in prompt order as prefill chunks compute them, never twice (recompute skips them)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.bad_words import banned_next_tokens
 from engine.beam_search import BeamAdvance, advance_beams
 from engine.sampler import SampleResult, SamplingRow, sample
 from engine.scheduler import ScheduledSeq
@@ -43,6 +44,8 @@ class StepSampler:
         suppressed: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
             suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        if group.bad_words_token_ids:
+            suppressed += banned_next_tokens(group.bad_words_token_ids, seq.token_ids[seq.prompt_len:])
         row = SamplingRow(params, generator or group.generator, seq.token_ids, seq.prompt_len, suppressed, seq.grammar,
                           group.logit_edits)
         group.logit_edits = row.logit_edits(device)  # made at the request's first step, then kept

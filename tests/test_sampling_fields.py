@@ -50,7 +50,7 @@ def _items(spec: SamplingField, count: int) -> list[Any] | dict[str, float]:
     """`count` valid items of a list field (of a mapping: token ids as JSON's text keys)."""
     if spec.name == "logit_bias":
         return {str(token_id): 1.0 for token_id in range(count)}
-    return ["x" if spec.name == "stop" else 0] * count
+    return ["x" if spec.name in ("stop", "bad_words") else 0] * count
 
 
 def _accepts(schema: Callable[..., object], params: dict[str, Any]) -> bool:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.bad_words import bad_words_token_ids, banned_next_tokens
 from engine.detokenizer import decode_new_text, start_offsets
 from engine.sequence import Sequence
 from tests.engine.hf_reference import hf_greedy, hf_logprobs
@@ -111,6 +112,29 @@ def test_allowed_token_ids_limit_every_draw(llm: LLM) -> None:
     outputs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
     drawn = {t for out in outputs for t in out.token_ids}
     assert drawn <= {first, third, 17} and len(drawn) > 1
+
+
+def test_bad_words_take_the_runner_up_where_greedy_would_spell_them(llm: LLM) -> None:
+    plain = greedy(llm, logprobs=2)
+    runner_up = [next(t for t in top if t != chosen) for chosen, top in zip(plain.token_ids, plain.logprobs)]
+    # a one-token word: its token is masked from the first step on
+    word = llm.tokenizer.decode(plain.token_ids[:1])
+    assert greedy(llm, bad_words=[word]).token_ids[0] == runner_up[0]
+    # a two-token word: its second token is masked only right after its first, so the output is the same up to there
+    variants = bad_words_token_ids(llm.tokenizer, [llm.tokenizer.decode(plain.token_ids[3:5])], VOCAB_SIZE)
+    assert plain.token_ids[3:5] in variants
+    out = greedy(llm, bad_words=[llm.tokenizer.decode(plain.token_ids[3:5])])
+    assert out.token_ids[:4] == plain.token_ids[:4] and out.token_ids[4] == runner_up[4]
+    for ids in variants:
+        assert all(out.token_ids[i:i + len(ids)] != ids for i in range(len(out.token_ids)))
+
+
+def test_banned_next_tokens_complete_a_bad_word_after_its_other_tokens() -> None:
+    words = [[5], [7, 8], [7, 9, 10]]
+    assert banned_next_tokens(words, []) == [5]
+    assert banned_next_tokens(words, [1, 7]) == [5, 8]
+    assert banned_next_tokens(words, [7, 9]) == [5, 10]
+    assert banned_next_tokens(words, [9]) == [5]
 
 
 def test_a_requests_bias_and_allowed_tokens_become_tensors_once(llm: LLM) -> None:
@@ -284,6 +308,9 @@ def test_parallel_samples_share_prompt_blocks(tiny_model_dir: Path) -> None:
         ({"logit_bias": {5: 1.0}, "beam_width": 2}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [3], "beam_width": 2}, "allowed_token_ids"),
+        ({"bad_words": ["  "]}, "bad_words"),
+        ({"bad_words": [7]}, "bad_words"),
+        ({"bad_words": ["fox"], "beam_width": 2}, "bad_words"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from api.app import create_app
 from api.batch_input import build_line
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
 from api.prompts import prompt_model
 from core.models import ApiKey, Job, JobStatus
 from core.openai_responses import COMPLETIONS, completion_body
@@ -93,6 +93,7 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"logit_bias": {"5": "high"}}, "logit_bias.5"),
     ({"logit_bias": {"1000000": 5}}, "logit_bias"),
     ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"bad_words": ["fox", " "]}, "bad_words"),
     # grammars compile with the job, off the event loop; their errors still name the request's field
     ({"guided_regex": "[0-9"}, "guided_regex"),
     ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
@@ -262,6 +263,11 @@ def test_logit_bias_takes_token_ids_as_text_and_is_clamped_to_openais_range_as_v
                              allowed_token_ids=[5, 7])
     params = body.to_job().sampling_params()
     assert params["logit_bias"] == {5: 100.0, 7: -100.0, 9: 0.5} and params["allowed_token_ids"] == [5, 7]
+
+
+def test_bad_words_reach_the_job_as_vllms_sampling_field() -> None:
+    body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "fox"}], bad_words=["dog", "a b"])
+    assert body.to_job().sampling_params()["bad_words"] == ["dog", "a b"] and not ignored_fields(body)
 
 
 def test_a_batch_line_names_the_field_as_its_endpoint_would(client: TestClient) -> None:
