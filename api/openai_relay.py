@@ -26,6 +26,7 @@ from core.openai_responses import (
     delta_choice,
     delta_logprobs,
     echo_logprobs,
+    echo_only,
     echoed_prompt,
     error_object,
     final_choices,
@@ -186,6 +187,8 @@ class _JobRelay:
                         yield self._echo_chunk(prompt, event.delta)
                         scored_echo = False
                     self.completion_tokens += len(event.delta["token_ids"])
+                    if echo_only(self.job):
+                        continue  # the prompt alone was asked for: the token the job made is not shown
                     first = not self.sent.get(event.delta["index"])
                     delta = self._content_delta(event.delta)
                     if not delta["text"] and not delta.get("logprobs"):

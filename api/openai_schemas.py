@@ -304,7 +304,10 @@ class CompletionRequest(OpenAIRequest):
         # echo with logprobs gives the prompt's tokens their logprobs too (the first has none), as lm-eval's
         # loglikelihood requests expect; the prompt is computed whole for it (no cached prefix)
         prompt_logprobs = self.logprobs if self.echo else None
-        return [self._job(COMPLETIONS, self.max_tokens, self.logprobs, prompt_logprobs,
+        # echo with max_tokens 0 answers with the prompt alone (OpenAI's legacy scoring request, as vLLM): the job
+        # makes one token, which the answer leaves out
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return [self._job(COMPLETIONS, max_tokens, self.logprobs, prompt_logprobs,
                           **_prompt_field(p, "prompt" if len(prompts) == 1 else f"prompt.{i}"))
                 for i, p in enumerate(prompts)]
 
@@ -315,8 +318,15 @@ class CompletionRequest(OpenAIRequest):
             raise ApiError(400, f"give one prompt per batch line, got {len(jobs)}", "prompt")
         return jobs[0]
 
+    @property
+    def echo_only(self) -> bool:
+        """Whether the request asks for its prompt alone: echo with max_tokens 0."""
+        return self.echo and self.max_tokens == 0
+
     def _metadata(self) -> dict[str, MetadataValue]:
-        return {"openai_echo": True} if self.echo else {}
+        if not self.echo:
+            return {}
+        return {"openai_echo": True, **({"openai_echo_only": True} if self.echo_only else {})}
 
 
 def _prompt_field(prompt: str | list[int], field: str) -> dict[str, str | list[int]]:

@@ -91,10 +91,18 @@ def _finish_reason(choice: dict[str, Any]) -> str:
     return "length" if choice.get("finish_reason") == "length" else "stop"
 
 
+def echo_only(job: Job) -> bool:
+    """Whether the job answers a completion that asked for its prompt alone (echo, max_tokens 0): the token it made
+    is left out of the answer and of its usage."""
+    return bool((job.metadata_ or {}).get("openai_echo_only"))
+
+
 def usage(job: Job, completion_tokens: int | None = None) -> dict[str, int]:
     """Token counts of a finished job, or of a running one that has generated `completion_tokens` so far."""
     prompt_tokens = job.prompt_tokens or 0
     completion_tokens = job.completion_tokens or 0 if completion_tokens is None else completion_tokens
+    if echo_only(job):
+        completion_tokens = 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -181,7 +189,8 @@ def echo_logprobs(scores: dict[str, Any], num_top: int, name: TokenNamer) -> dic
 def _choice_steps(job: Job, choice: dict[str, Any], num_top: int, with_prompt: bool) -> list[Step]:
     """A choice's generated tokens' steps, after its prompt's when asked for and kept (echo with logprobs)."""
     name = token_namer(job)
-    steps = _steps(choice["token_ids"], choice["logprobs"], num_top, name) if choice.get("logprobs") else []
+    generated = choice.get("logprobs") and not echo_only(job)
+    steps = _steps(choice["token_ids"], choice["logprobs"], num_top, name) if generated else []
     if with_prompt and choice.get("prompt_logprobs"):
         steps = _steps(choice["prompt_token_ids"], choice["prompt_logprobs"], num_top, name) + steps
     return steps
@@ -196,7 +205,8 @@ def completion_body(job: Job, model: str) -> dict[str, Any]:
         steps = _choice_steps(job, choice, num_top, bool(echo)) if num_top is not None else []
         return _completion_logprobs(steps) if steps else None
 
-    choices = [{"index": c["index"], "text": echo + c["text"], "finish_reason": _finish_reason(c),
+    choices = [{"index": c["index"], "text": echo + ("" if echo_only(job) else c["text"]),
+                "finish_reason": _finish_reason(c),
                 "stop_reason": c.get("stop_reason"), "logprobs": logprobs(c)} for c in job.output or []]
     return {"id": job.id, "object": "text_completion", "created": _created(job), "model": model,
             "choices": choices, "usage": usage(job)}

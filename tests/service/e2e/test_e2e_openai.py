@@ -221,6 +221,29 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
         assert stored_logprobs == logprobs.token_logprobs[1 : len(prompt_ids)]
 
 
+def test_echo_with_max_tokens_0_answers_with_the_scored_prompt_alone(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    # OpenAI's legacy scoring request (older lm-eval-harness): the prompt's logprobs and no generated token, as vLLM
+    prompt = "The quick brown fox jumps over the lazy dog"
+    scored = openai_client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0, echo=True,
+                                              logprobs=1).choices[0].logprobs
+    num_prompt = len(scored.tokens) - 1
+    body = {"model": model, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0.0}
+    whole = httpx.post(f"{live_api}/v1/completions", json=body, headers=auth_headers, timeout=60).json()
+    (choice,) = whole["choices"]
+    assert choice["text"] == prompt and whole["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["tokens"] == scored.tokens[:num_prompt]
+    assert choice["logprobs"]["token_logprobs"] == scored.token_logprobs[:num_prompt]
+    chunks = _sse_chunks(live_api, auth_headers, {**body, "stream_options": {"include_usage": True}})
+    assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == prompt
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    streamed = [c["logprobs"] for chunk in chunks for c in chunk["choices"] if c["logprobs"]]
+    assert [t for part in streamed for t in part["tokens"]] == scored.tokens[:num_prompt]
+    refused = httpx.post(f"{live_api}/v1/completions", json={**body, "echo": False}, headers=auth_headers, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_streamed_echo_scores_the_prompt_as_the_unstreamed_one_does(
     live_api: str, auth_headers: dict[str, str], model: str, n: int
