@@ -194,6 +194,8 @@ class OpenAIRequest(OpenAIBody):
         metadata: dict[str, MetadataValue] = {"openai_endpoint": endpoint, "user": self.user, **self._metadata()}
         if self.return_tokens_as_token_ids:
             metadata["openai_token_ids"] = True
+        if self.model is not None:  # the served name asked for, which a batch line's answer carries
+            metadata["openai_model"] = self.model
         priority = {} if self.priority is None else {"priority": self.priority}  # unset: the key's default
         return JobCreate(**sampling, **prompt, **priority, truncate_prompt_tokens=self.truncate_prompt_tokens,
                          stop=stop, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

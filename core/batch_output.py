@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core.models import Batch, BatchRequest, Job, JobStatus
-from core.openai_responses import error_object, error_status, job_failure, response_body, served_model_id
+from core.openai_responses import answer_model, error_object, error_status, job_failure, response_body
 
 
 def _result(
@@ -23,7 +23,7 @@ def _result(
     assert job is not None
     problem = job_failure(job)
     if problem is None:
-        response = {"status_code": 200, "request_id": job.id, "body": response_body(job, served_model_id(), endpoint)}
+        response = {"status_code": 200, "request_id": job.id, "body": response_body(job, answer_model(job), endpoint)}
         return True, {**line, "response": response, "error": None}
     if job.status is JobStatus.cancelled:
         return False, {**line, "response": None, "error": cancelled}

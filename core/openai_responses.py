@@ -54,8 +54,13 @@ def served_model_names() -> list[str]:
 
 
 def served_model_id() -> str:
-    """The name responses carry: the first served name."""
+    """The name responses carry when a request named none: the first served name."""
     return served_model_names()[0]
+
+
+def answer_model(job: Job) -> str:
+    """The served name a job's OpenAI answer carries: the one its request asked for, else the first."""
+    return str((job.metadata_ or {}).get("openai_model") or served_model_id())
 
 
 def error_object(status_code: int, message: str, param: str | None, code: str | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from api.batch_input import build_line
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
 from api.prompts import prompt_model
 from core.models import ApiKey, Job, JobStatus
-from core.openai_responses import COMPLETIONS, completion_body
+from core.openai_responses import COMPLETIONS, answer_model, completion_body
 from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import Settings, configure
 
@@ -195,7 +195,9 @@ def test_a_null_optional_field_is_its_default_as_openais_nullable_fields_are(
 
 def test_without_a_model_the_served_model_answers(client: TestClient, auth_headers: dict[str, str]) -> None:
     # vLLM's model field is optional; OpenAI's own clients always send one
-    assert CompletionRequest(prompt="fox").to_jobs() == CompletionRequest(model="tiny", prompt="fox").to_jobs()
+    (named,) = CompletionRequest(model="tiny", prompt="fox").to_jobs()
+    unnamed_metadata = {k: v for k, v in (named.metadata or {}).items() if k != "openai_model"}
+    assert CompletionRequest(prompt="fox").to_jobs() == [named.model_copy(update={"metadata": unnamed_metadata})]
     error = _error(client.post("/v1/completions", json={"prompt": "fox", "suffix": "!"}, headers=auth_headers))
     assert error["param"] == "suffix"  # reached the request's own checks, past the model
 
@@ -268,6 +270,14 @@ def test_logit_bias_takes_token_ids_as_text_and_is_clamped_to_openais_range_as_v
 def test_bad_words_reach_the_job_as_vllms_sampling_field() -> None:
     body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "fox"}], bad_words=["dog", "a b"])
     assert body.to_job().sampling_params()["bad_words"] == ["dog", "a b"] and not ignored_fields(body)
+
+
+def test_a_batch_lines_answer_carries_the_served_name_it_asked_for(service_settings: Settings) -> None:
+    for model in ALIASES:
+        job = build_line(ApiKey(id="key_batch_test"), 1, {"custom_id": "a", "body": {"model": model, "prompt": "fox"}},
+                         COMPLETIONS, "batch_test").job
+        assert job is not None and answer_model(job) == model
+    assert answer_model(Job(id="job_x", metadata_={})) == ALIASES[0]
 
 
 def test_a_batch_line_names_the_field_as_its_endpoint_would(client: TestClient) -> None:
