@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from api.errors import install_error_handlers
 from api.limits import UPLOAD_OVERHEAD_BYTES, BodySizeLimit
 from api.metrics import HttpLatencyMiddleware
-from api.routes import events, health, jobs, openai_batch, openai_inference, tokenize, version
+from api.routes import events, health, jobs, openai_batch, openai_inference, openai_responses, tokenize, version
 from api.routes import metrics as metrics_route
 from core.logging import configure_logging
 from core.settings import Settings, configure, get_settings
@@ -28,6 +28,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(events.router)
     app.include_router(metrics_route.router)
     app.include_router(openai_inference.router)
+    app.include_router(openai_responses.router)
     app.include_router(openai_batch.router)
     app.include_router(tokenize.router)
     app.include_router(version.router)

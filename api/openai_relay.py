@@ -1,4 +1,5 @@
-"""Answering an OpenAI request from its job: wait for the result, or relay its tokens as stream chunks."""
+"""Answering an OpenAI request from its jobs: create them, wait for the result, or relay their tokens as stream
+chunks."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any
 
 import anyio
 from fastapi import Request
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api import jobs
 from api.errors import ApiError
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_final, follow_job
 from api.openai_schemas import StreamOptions, openai_named
+from api.schemas import JobCreate
 from core.db import session_factory
 from core.models import ApiKey, Job
 from core.openai_responses import (
@@ -43,6 +46,17 @@ DISCONNECT_CHECK_MS = 500
 # What a relay yields after an idle second: sent to no one (vLLM's streams hold only `data:` lines, and parsers
 # copied from its older benchmark scripts fail on an SSE comment), only a chance to notice a client that went away.
 IDLE = ""
+
+
+def create_openai_jobs(session: Session, key: ApiKey, bodies: list[JobCreate], sent_as: dict[str, str]) -> list[Job]:
+    """The jobs of one OpenAI request, accepted together or not at all; errors name the request's fields (`sent_as`:
+    job field -> request field), not the jobs'."""
+    try:
+        if len(bodies) == 1:
+            return [jobs.create_job(session, key, bodies[0], None)[0]]
+        return jobs.create_jobs(session, key, bodies)
+    except ApiError as exc:
+        raise openai_named(exc, sent_as) from exc
 
 
 def _cancel_quietly(key: ApiKey, job_id: str) -> None:

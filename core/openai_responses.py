@@ -19,6 +19,7 @@ from core.tool_calls import NAMED_PREFIX, streamable_content, tool_calls
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 409: "conflict_error", 413: "invalid_request_error"}
 

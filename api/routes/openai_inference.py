@@ -10,10 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentKey, DbSession
-from api.errors import ApiError
-from api.jobs import create_job, create_jobs
 from api.openai_errors import OpenAIRoute
-from api.openai_relay import failure, stream_jobs, wait_for_jobs
+from api.openai_relay import create_openai_jobs, failure, stream_jobs, wait_for_jobs
 from api.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,8 +20,7 @@ from api.openai_schemas import (
     openai_named,
 )
 from api.prompts import prompt_model
-from api.schemas import JobCreate
-from core.models import Job, utcnow
+from core.models import utcnow
 from core.openai_responses import CHAT_COMPLETIONS, COMPLETIONS, merged_body, served_model_id, served_model_names
 from core.settings import get_settings
 
@@ -51,16 +48,6 @@ def get_model(model_id: str, key: CurrentKey) -> dict[str, Any]:
     return _model_card(model_id)
 
 
-def _create(session: DbSession, key: CurrentKey, bodies: list[JobCreate], sent_as: dict[str, str]) -> list[Job]:
-    # several prompts are accepted together or not at all; errors name the request's fields, not the jobs'
-    try:
-        if len(bodies) == 1:
-            return [create_job(session, key, bodies[0], None)[0]]
-        return create_jobs(session, key, bodies)
-    except ApiError as exc:
-        raise openai_named(exc, sent_as) from exc
-
-
 async def _answer(
     request: Request, key: CurrentKey, session: DbSession, body: CompletionRequest | ChatCompletionRequest,
     endpoint: str,
@@ -68,7 +55,7 @@ async def _answer(
     if ignored := ignored_fields(body):  # vLLM's behaviour: accept, and say once what was not used
         logger.warning("openai.ignored_fields endpoint=%s fields=%s", endpoint, ",".join(ignored))
     bodies = body.to_jobs() if isinstance(body, CompletionRequest) else [body.to_job()]
-    jobs = await run_in_threadpool(_create, session, key, bodies, body.sent_as())
+    jobs = await run_in_threadpool(create_openai_jobs, session, key, bodies, body.sent_as())
     # Waiting or streaming can last minutes: release the pooled connection (the relay reads in short sessions).
     await run_in_threadpool(session.close)
     model = body.model or served_model_id()  # the served name asked for, as vLLM answers

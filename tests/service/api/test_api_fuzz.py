@@ -10,7 +10,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 # The synchronous OpenAI calls wait for a worker, which this in-process API has not got.
-NEEDS_A_WORKER = r"^/v1/(chat/)?completions$"
+NEEDS_A_WORKER = r"^/v1/((chat/)?completions|responses)$"
 MAX_EXAMPLES = 25
 
 

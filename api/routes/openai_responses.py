@@ -1,0 +1,112 @@
+"""OpenAI's Responses API, as vLLM serves it: POST /v1/responses (streamed, waited for, or in the background),
+GET /v1/responses/{id}, POST /v1/responses/{id}/cancel. A response is a job: its id is the job's."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import CurrentKey, DbSession
+from api.errors import ApiError
+from api.jobs import cancel_job, get_job
+from api.openai_errors import OpenAIRoute
+from api.openai_relay import create_openai_jobs, failure, wait_for_jobs
+from api.openai_schemas import ignored_fields, openai_named
+from api.responses_body import output_items, response_object
+from api.responses_schemas import ResponsesRequest
+from api.responses_stream import stream_response
+from core.models import ApiKey, Job, JobStatus
+from core.openai_responses import RESPONSES, answer_model, served_model_id
+from core.settings import get_settings
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+logger = logging.getLogger("pagedserve.api")
+
+
+def _response_job(session: Session, key: ApiKey, response_id: str, field: str) -> Job:
+    """The caller's job answering a response; 404 naming `field` for any other id."""
+    try:
+        job = get_job(session, key, response_id)
+    except ApiError as exc:
+        raise ApiError(404, f"response {response_id} not found", field) from exc
+    if (job.metadata_ or {}).get("openai_endpoint") != RESPONSES:
+        raise ApiError(404, f"response {response_id} not found (it is a job of another endpoint)", field)
+    return job
+
+
+def _earlier_conversation(session: Session, key: ApiKey, response_id: str) -> list[dict[str, Any]]:
+    """The chat messages a response continuing `response_id` starts with: that response's conversation (without its
+    instructions, which are not inherited) and its answer."""
+    job = _response_job(session, key, response_id, "previous_response_id")
+    if job.status is not JobStatus.succeeded:
+        raise ApiError(400, f"previous_response_id: response {response_id} is {job.status.value}; only a finished "
+                       "response can be continued", "previous_response_id")
+    meta = job.metadata_ or {}
+    history = int(meta.get("openai_history") or 0)
+    messages = list(job.messages or [])
+    if meta.get("openai_instructions"):
+        del messages[history]
+    for item in output_items(job):
+        if item["type"] == "message":
+            messages.append({"role": "assistant", "content": item["content"][0]["text"]})
+            continue
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        if messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+            messages[-1]["tool_calls"].append(call)
+        elif messages[-1]["role"] == "assistant":
+            messages[-1]["tool_calls"] = [call]
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    return messages
+
+
+def _tools(body: ResponsesRequest) -> list[dict[str, Any]]:
+    return [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+
+
+@router.post("/responses", response_model=None)
+async def create_response(body: ResponsesRequest, request: Request, key: CurrentKey, session: DbSession) -> Response:
+    """Answer a conversation (`input`, `instructions`, an earlier response by `previous_response_id`); `stream: true`
+    answers with typed events, `background: true` at once with the queued response."""
+    if ignored := ignored_fields(body):  # vLLM's behaviour: accept, and say once what was not used
+        logger.warning("openai.ignored_fields endpoint=%s fields=%s", RESPONSES, ",".join(ignored))
+    earlier = []
+    if body.previous_response_id is not None:
+        earlier = await run_in_threadpool(_earlier_conversation, session, key, body.previous_response_id)
+    (job,) = await run_in_threadpool(create_openai_jobs, session, key, [body.to_job(earlier)], body.sent_as())
+    await run_in_threadpool(session.close)  # waiting or streaming can last minutes
+    model = body.model or served_model_id()
+    if body.background:
+        return JSONResponse(response_object(job, model, _tools(body)))
+    if body.stream:
+        return StreamingResponse(stream_response(request, key, job, model, _tools(body), body.sent_as()),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finals = await wait_for_jobs(request, key, [job.id], get_settings().openai_timeout_s)
+    if finals is None:  # the client went away; nobody reads this
+        return Response(status_code=499)
+    (final,) = finals
+    if (problem := failure(final)) is not None:
+        raise openai_named(problem, body.sent_as())
+    return JSONResponse(response_object(final, model, _tools(body)))
+
+
+@router.get("/responses/{response_id}")
+def get_response(response_id: str, key: CurrentKey, session: DbSession) -> dict[str, Any]:
+    """A response in its present state: queued, in_progress, or finished with its output."""
+    job = _response_job(session, key, response_id, "response_id")
+    return response_object(job, answer_model(job))
+
+
+@router.post("/responses/{response_id}/cancel")
+def cancel_response(response_id: str, key: CurrentKey, session: DbSession) -> dict[str, Any]:
+    """Cancel a queued or running response (409 once it finished)."""
+    _response_job(session, key, response_id, "response_id")
+    job = cancel_job(session, key, response_id)
+    return response_object(job, answer_model(job))
