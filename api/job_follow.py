@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import redis
 import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
@@ -105,7 +106,10 @@ async def _received_before(client: Any, stream_key: str, last_id: str) -> _Recei
     (all of it past the final entry; nothing known when the stream is gone)."""
     if last_id == "0-0":
         return _Received(from_start=True)
-    entries = await client.xrange(stream_key, "-", last_id)
+    try:
+        entries = await client.xrange(stream_key, "-", last_id)
+    except redis.exceptions.RedisError:  # unknown: only what comes from now on is sent, and the end from the store
+        return _Received(from_start=False)
     received = _Received(from_start=bool(entries))
     for _, fields in entries:
         if fields["type"] == "restart":
@@ -119,10 +123,15 @@ async def _received_before(client: Any, stream_key: str, last_id: str) -> _Recei
 
 async def _read(client: aioredis.Redis, stream_key: str, last_id: str, block_ms: int, count: int) -> list[Any]:
     """XREAD of one stream after `last_id`; an answer later than the client's socket timeout (the event loop or Redis
-    held up for seconds) counts as none, and the next read goes on from the same id, instead of ending the stream."""
+    held up for seconds) counts as none, and the next read goes on from the same id, instead of ending the stream.
+    A lost connection (Redis restarted, failed over, or dropped it) counts as none after the blocking time: the
+    follower checks the store meanwhile, as when idle, and the next read connects again."""
     try:
         return await client.xread({stream_key: last_id}, block=block_ms, count=count)
     except redis.exceptions.TimeoutError:
+        return []
+    except redis.exceptions.ConnectionError:
+        await anyio.sleep(block_ms / 1000)
         return []
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from datetime import datetime
 
 import httpx
 import pytest
+import redis
 from sqlalchemy import select
 
 from core import streams
@@ -155,3 +157,41 @@ def test_jobs_accepted_before_an_api_crash_survive_and_complete(
         listed = {job["id"] for job in client.get("/v1/jobs", params={"limit": 100}).json()["data"]}
     assert [job["status"] for job in finals] == ["succeeded"] * len(job_ids)
     assert set(job_ids) <= listed
+
+
+def test_streams_and_waits_outlive_dropped_redis_connections(
+    service_procs: ServiceProcesses, auth_headers: dict[str, str], private_redis: PrivateRedis
+) -> None:
+    # what a Redis failover or an idle timeout does to the API's followers: every client connection closed at once
+    service_procs.ensure_worker()
+    base = service_procs.api_url
+    body = {"prompt": "Keep following me", "max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+    results: dict[str, object] = {}
+
+    def blocking() -> None:
+        results["blocking"] = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 60},
+                                         headers=auth_headers, timeout=120)
+
+    waiter = threading.Thread(target=blocking)
+    waiter.start()
+    chunks: list[dict] = []
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, headers=auth_headers,
+                      timeout=120) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                chunks.append({"done": True})
+                break
+            chunks.append(json.loads(line.removeprefix("data: ")))
+            if len(chunks) == 3:
+                admin = redis.Redis.from_url(private_redis.url)
+                assert admin.client_kill_filter(_type="normal", skip_me=True) > 0
+    waiter.join()
+    assert chunks[-1] == {"done": True}
+    with httpx.Client(base_url=base, headers=auth_headers, timeout=30) as client:
+        final = wait_final(client, chunks[0]["id"], timeout_s=90)
+    assert final["status"] == "succeeded"
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == final["choices"][0]["text"]
+    blocking_answer = results["blocking"]
+    assert isinstance(blocking_answer, httpx.Response) and blocking_answer.status_code == 200, blocking_answer
