@@ -535,7 +535,12 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def _metadata(self) -> dict[str, MetadataValue]:
         mode = self._tool_mode()
-        return {"openai_tool_choice": mode} if mode else {}
+        if not mode:
+            return {}
+        if not mode.startswith(AUTO_PREFIX):  # a forced call's grammar admits the tools' names alone
+            return {"openai_tool_choice": mode}
+        # a parser reads whatever name the model writes: only the tools' names become calls
+        return {"openai_tool_choice": mode, "openai_tool_names": ",".join(t.function.name for t in self.tools or [])}
 
     def sent_as(self) -> dict[str, str]:
         renamed = {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}

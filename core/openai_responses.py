@@ -235,7 +235,9 @@ def _tool_calls(job: Job, choice: dict[str, Any]) -> tuple[str | None, list[dict
     mode = _tool_mode(job)
     if mode is None or choice.get("finish_reason") == "length":
         return None
-    return tool_calls(mode, choice["text"], _call_id_prefix(job, choice["index"]))
+    names = (job.metadata_ or {}).get("openai_tool_names")
+    offered = None if names is None else str(names).split(",")
+    return tool_calls(mode, choice["text"], _call_id_prefix(job, choice["index"]), offered)
 
 
 def streamed_call_name(job: Job) -> str | None:

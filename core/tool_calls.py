@@ -10,6 +10,7 @@ turn a job's text back into tool calls. A job keeps its mode in its metadata: "r
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from core.tool_parsers import TOOL_CALL_PARSERS, ParsedCall, ParsedOutput
@@ -66,11 +67,14 @@ def streamable_content(mode: str, text: str) -> int:
     return TOOL_CALL_PARSERS[mode.removeprefix(AUTO_PREFIX)].content_end(text) if mode.startswith(AUTO_PREFIX) else 0
 
 
-def tool_calls(mode: str, text: str, call_id_prefix: str) -> tuple[str | None, list[dict[str, Any]]] | None:
-    """(content, tool calls) of a finished output under `mode`; None if it holds no calls. Call ids are
-    `call_id_prefix` plus the call's position, so the same job always answers with the same ids."""
+def tool_calls(mode: str, text: str, call_id_prefix: str, offered: Collection[str] | None = None,
+               ) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """(content, tool calls) of a finished output under `mode`; None if it holds no calls, or calls a function not
+    `offered` (the output is then content, as one whose calls do not parse: a client never gets a call to a function
+    it did not offer). Call ids are `call_id_prefix` plus the call's position, so the same job always answers with
+    the same ids."""
     parsed = parsed_output(mode, text)
-    if parsed is None:
+    if parsed is None or offered is not None and any(call.name not in offered for call in parsed.calls):
         return None
     return parsed.content, [{"id": f"{call_id_prefix}{i}", "type": "function",
                              "function": {"name": call.name, "arguments": call.arguments}}

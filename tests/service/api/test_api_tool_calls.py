@@ -234,6 +234,19 @@ def test_a_finished_auto_job_answers_with_the_calls_its_parser_reads_and_the_con
     assert rest["index"] == 2
 
 
+def test_a_parsed_call_of_a_function_not_offered_is_answered_as_content(auto_tool_choice: None) -> None:
+    job = _request(tools=[WEATHER, CLOCK]).to_job()
+    assert job.metadata is not None and job.metadata["openai_tool_names"] == "get_weather,get_time"
+    rogue = HERMES_TEXT.replace("get_weather", "launch_missiles")
+    stored = _job(AUTO_PREFIX + "hermes", [(HERMES_TEXT, "stop"), (rogue, "stop")])
+    stored.metadata_ = job.metadata
+    offered, not_offered = chat_body(stored, "m")["choices"]
+    assert offered["finish_reason"] == "tool_calls"
+    assert not_offered["finish_reason"] == "stop" and not_offered["message"] == {"role": "assistant", "content": rogue}
+    calls, held = tool_call_deltas(stored, 0, {0: len("Let me look.\n"), 1: 0})  # the held text comes as content
+    assert list(calls["delta"]) == ["tool_calls"] and held["delta"] == {"content": rogue}
+
+
 def test_parsers_whose_markers_are_special_tokens_keep_them(service_settings: Settings) -> None:
     for parser, keeps in (("hermes", True), ("mistral", True), ("granite", True), ("llama3_json", False),
                           ("pythonic", False)):
