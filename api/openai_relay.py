@@ -24,6 +24,7 @@ from core.models import ApiKey, Job
 from core.openai_responses import (
     CHAT_COMPLETIONS,
     arguments_delta,
+    chat_echo,
     choice_index,
     chunk,
     delta_choice,
@@ -188,6 +189,8 @@ class _JobRelay:
         if self.endpoint == CHAT_COMPLETIONS:
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                                for i in indexes])
+            if echo := chat_echo(self.job):
+                yield self._chunk([delta_choice(self.endpoint, i, echo) for i in indexes])
         prompt = echoed_prompt(self.job)
         scored_echo = bool(prompt) and self.job.params.get("prompt_logprobs") is not None
         if prompt and not scored_echo:

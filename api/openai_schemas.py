@@ -123,6 +123,16 @@ class ResponseFormat(OpenAIBody):
         return {"json_object": True}, {"json_object": "response_format"}
 
 
+# Fields a client may send that this server does not honour, and why (a 400 naming them, not a different answer).
+NOT_SERVED = {
+    "prompt_logprobs": "prompt_logprobs is not served on the OpenAI routes: send echo with logprobs to "
+                       "/v1/completions (the prompt's tokens are scored), or prompt_logprobs to /v1/jobs",
+    "chat_template": "a request's own chat template is not served (it would run the client's Jinja on the server); "
+                     "the server's --chat-template applies",
+    "functions": "the legacy functions field is not served: send tools",
+    "function_call": "the legacy function_call field is not served: send tool_choice",
+}
+
 # vLLM's older per-kind fields (before structured_outputs), still sent by many clients
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -174,8 +184,20 @@ class OpenAIRequest(OpenAIBody):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens as "token_id:<id>"
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: keep the prompt's last N tokens
     use_beam_search: bool = False  # vLLM's; false is accepted, true refused: beam search is a job's beam_width
+    # refused rather than ignored (each would change the answer): see _not_served
+    prompt_logprobs: int | None = None
+    chat_template: str | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
     _only_when_streaming = field_validator("stream_options")(_only_with("stream"))
+
+    @field_validator("prompt_logprobs", "chat_template", "functions", "function_call")
+    @classmethod
+    def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(NOT_SERVED[info.field_name or ""])
+        return value
 
     @field_validator("use_beam_search")
     @classmethod
@@ -462,6 +484,7 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: a final assistant message's text starts the answer (continue_final_message)
     # vLLM's: how the chat template renders the messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -500,6 +523,9 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.tool_choice is None or self.tool_choice == "auto":  # with tools, no tool_choice means auto
             settings = get_settings()
             parses = self.tools and settings.enable_auto_tool_choice and settings.tool_call_parser
+            if self.tools and self.tool_choice == "auto" and not parses:  # as vLLM: no call would ever be read
+                raise ApiError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                               '--tool-call-parser; send "required", a named function or "none"', "tool_choice")
             return AUTO_PREFIX + settings.tool_call_parser if parses else None  # type: ignore[operator]
         if self.tool_choice == "none":
             return None
@@ -534,13 +560,17 @@ class ChatCompletionRequest(OpenAIRequest):
         return sources
 
     def _metadata(self) -> dict[str, MetadataValue]:
+        final = self.messages[-1]
+        echoed = {"openai_chat_echo": final.as_job_message()["content"]} if self.echo and final.role == "assistant" \
+            else {}
         mode = self._tool_mode()
         if not mode:
-            return {}
+            return echoed
         if not mode.startswith(AUTO_PREFIX):  # a forced call's grammar admits the tools' names alone
-            return {"openai_tool_choice": mode}
+            return {**echoed, "openai_tool_choice": mode}
         # a parser reads whatever name the model writes: only the tools' names become calls
-        return {"openai_tool_choice": mode, "openai_tool_names": ",".join(t.function.name for t in self.tools or [])}
+        return {**echoed, "openai_tool_choice": mode,
+                "openai_tool_names": ",".join(t.function.name for t in self.tools or [])}
 
     def sent_as(self) -> dict[str, str]:
         renamed = {"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {}

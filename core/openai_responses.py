@@ -34,8 +34,9 @@ class JobFailure(NamedTuple):
 
 
 # a refusal's message begins with the job field it blames ("allowed_token_ids holds only stop tokens...",
-# "structured_outputs.choice could not be followed..."), after the runner's prefix when the params were invalid
-_BLAMED_FIELD = re.compile(r"(?:invalid sampling parameters: )?([a-z_]+)(\.[a-z_]+)?\b")
+# "structured_outputs.choice could not be followed..."), after the runner's prefix when the params were invalid, or
+# the engine's exception name when a constraint broke down while generating
+_BLAMED_FIELD = re.compile(r"(?:invalid sampling parameters: |[A-Z][A-Za-z]*Error: )?([a-z_]+)(\.[a-z_]+)?\b")
 _PROMPT_FIELDS = frozenset({"prompt", "prompt_token_ids", "messages"})
 
 
@@ -116,6 +117,11 @@ def usage(job: Job, completion_tokens: int | None = None) -> dict[str, int]:
 def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
     """The token counts of several jobs added up."""
     return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def chat_echo(job: Job) -> str:
+    """The text a chat answer starts with: the final assistant message's, when the request asked for echo ('')."""
+    return str((job.metadata_ or {}).get("openai_chat_echo") or "")
 
 
 def echoed_prompt(job: Job) -> str:
@@ -267,12 +273,14 @@ def chat_body(job: Job, model: str) -> dict[str, Any]:
     """The chat.completion object of a succeeded job; tool calls come as the message's tool_calls."""
     num_top = job.params.get("logprobs")
 
+    echo = chat_echo(job)
+
     def message(choice: dict[str, Any]) -> dict[str, Any]:
         parsed = _tool_calls(job, choice)
         if parsed is None:
-            return {"role": "assistant", "content": choice["text"]}
+            return {"role": "assistant", "content": echo + choice["text"]}
         content, calls = parsed
-        return {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"role": "assistant", "content": echo + (content or "") if echo else content, "tool_calls": calls}
 
     choices = [{
         "index": c["index"], "message": message(c), "finish_reason": _chat_finish_reason(job, c),

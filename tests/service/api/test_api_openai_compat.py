@@ -94,6 +94,11 @@ def test_an_unknown_model_is_openais_model_not_found(client: TestClient, auth_he
     ({"logit_bias": {"1000000": 5}}, "logit_bias"),
     ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
     ({"bad_words": ["fox", " "]}, "bad_words"),
+    # fields that would change the answer are refused, not ignored
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
     # grammars compile with the job, off the event loop; their errors still name the request's field
     ({"guided_regex": "[0-9"}, "guided_regex"),
     ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
@@ -477,6 +482,8 @@ def test_the_built_in_model_answers_to_its_hugging_face_id_too() -> None:
     ("refused: allowed_token_ids holds only stop tokens (EOS or stop_token_ids), which min_tokens (2) holds back",
      "allowed_token_ids"),
     ("refused: structured_outputs.choice could not be followed: lexer error", "structured_outputs.choice"),
+    ("refused: StructuredOutputError: structured_outputs.regex could not be followed: lexer error: too many "
+     "expressions constructed", "structured_outputs.regex"),
     ("refused: invalid sampling parameters: n must be an integer between 1 and 64, got 99", "n"),
     ("refused: the engine could not place it", None),
     ("RuntimeError: worker crashed", None),

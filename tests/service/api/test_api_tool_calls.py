@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from api.errors import ApiError
 from api.openai_schemas import ChatCompletionRequest
 from api.prompts import prompt_model
 from core.models import Job, JobStatus
@@ -73,7 +74,13 @@ def test_required_constrains_the_output_to_calls_of_the_tools(parallel: bool) ->
             jsonschema.validate(good, schema)
 
 
-@pytest.mark.parametrize("choice", [None, "auto", "none"])
+def test_auto_without_a_parser_is_refused_naming_tool_choice_as_vllm_does() -> None:
+    with pytest.raises(ApiError, match="--tool-call-parser") as refused:
+        _request(tools=[WEATHER], tool_choice="auto").to_job()
+    assert refused.value.field == "tool_choice"
+
+
+@pytest.mark.parametrize("choice", [None, "none"])
 def test_auto_and_none_leave_the_output_free_and_show_the_tools(choice: str | None) -> None:
     job = _request(tools=[WEATHER], tool_choice=choice).to_job()
     assert job.sampling_params()["structured_outputs"] is None and "openai_tool_choice" not in (job.metadata or {})

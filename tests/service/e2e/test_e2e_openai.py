@@ -181,17 +181,22 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_as_vllm(
 def test_a_refused_jobs_error_names_the_field_it_blames_answered_or_streamed(
     openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str], service_model_dir: Path
 ) -> None:
-    eos = json.loads((service_model_dir / "config.json").read_text())["eos_token_id"]
-    body = {"model": model, "prompt": "Hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [eos]}
-    with pytest.raises(openai.BadRequestError) as refused:  # the worker refuses it: no token could be sampled
-        openai_client.completions.create(**{k: v for k, v in body.items() if k in ("model", "prompt", "max_tokens")},
-                                         extra_body={"min_tokens": 2, "allowed_token_ids": [eos]})
-    assert refused.value.param == "allowed_token_ids"
+    # the regex compiles when the job is made, and breaks down only while generating: the worker refuses it
+    body = {"model": model, "prompt": "Hi", "max_tokens": 4, "guided_regex": "(a{1000}){1000}"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.completions.create(model=model, prompt="Hi", max_tokens=4,
+                                         extra_body={"guided_regex": "(a{1000}){1000}"})
+    assert refused.value.param == "guided_regex" and "structured_outputs" not in refused.value.message
     with httpx.stream("POST", f"{live_api}/v1/completions", json={**body, "stream": True}, headers=auth_headers,
                       timeout=60) as stream:
         errors = [json.loads(line[6:])["error"] for line in stream.iter_lines()
                   if line.startswith("data: {") and '"error"' in line]
-    assert [error["param"] for error in errors] == ["allowed_token_ids"]
+    assert [error["param"] for error in errors] == ["guided_regex"]
+    # what the API knows to refuse never becomes a job: no token could be sampled here
+    eos = json.loads((service_model_dir / "config.json").read_text())["eos_token_id"]
+    early = httpx.post(f"{live_api}/v1/completions", headers=auth_headers, timeout=60, json={
+        "model": model, "prompt": "Hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [eos], "stream": True})
+    assert early.status_code == 400 and early.json()["error"]["param"] == "allowed_token_ids"
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
@@ -242,6 +247,21 @@ def test_echo_with_max_tokens_0_answers_with_the_scored_prompt_alone(
     assert [t for part in streamed for t in part["tokens"]] == scored.tokens[:num_prompt]
     refused = httpx.post(f"{live_api}/v1/completions", json={**body, "echo": False}, headers=auth_headers, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_chat_echo_starts_the_answer_with_the_final_assistant_message_as_vllm(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    messages = [{"role": "user", "content": "Greet me."}, {"role": "assistant", "content": "Hello"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = openai_client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.0,
+                                                  extra_body=options)
+    echoed = openai_client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.0,
+                                                   extra_body={**options, "echo": True})
+    assert echoed.choices[0].message.content == "Hello" + plain.choices[0].message.content
+    stream = openai_client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.0,
+                                                   stream=True, extra_body={**options, "echo": True})
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == echoed.choices[0].message.content
 
 
 @pytest.mark.parametrize("n", [1, 2])
