@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core.openai_responses import error_object
+
 STORE_RETRY_AFTER_S = 5
 
 
@@ -46,7 +48,9 @@ def field_name(error: dict[str, Any]) -> str:
 def _error_response(
     status_code: int, message: str, field: str | None, detail: Any = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    body: dict[str, Any] = {"error": {"message": message, "field": field, "status": status_code}}
+    # OpenAI's keys too (type, param, code), so that an OpenAI client reads any error of this server
+    error = {**error_object(status_code, message, field), "field": field, "status": status_code}
+    body: dict[str, Any] = {"error": error}
     body["detail"] = detail if detail is not None else message
     return JSONResponse(body, status_code=status_code, headers=headers)
 
@@ -86,7 +90,8 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Render ApiError, validation errors and FastAPI's HTTP errors as {error: {message, field, status}, detail}."""
+    """Render ApiError, validation errors and FastAPI's HTTP errors as {error: {message, field, status, and OpenAI's
+    type, param, code}, detail}."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

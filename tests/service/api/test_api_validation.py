@@ -163,12 +163,18 @@ def test_a_lone_surrogate_is_422_naming_the_field_and_stores_nothing(
     assert openai.status_code == 400 and openai.json()["error"]["param"] == "prompt"
 
 
-def test_fastapis_own_errors_come_in_the_documented_shape(client: TestClient) -> None:
+def test_fastapis_own_errors_come_in_the_documented_shape(client: TestClient, auth_headers: dict[str, str]) -> None:
     unauthorized = client.get("/v1/jobs")
     assert unauthorized.status_code == 401 and unauthorized.headers["WWW-Authenticate"] == "Bearer"
-    assert unauthorized.json()["error"] == {"message": unauthorized.json()["detail"], "field": None, "status": 401}
+    assert unauthorized.json()["error"] == {"message": unauthorized.json()["detail"], "field": None, "status": 401,
+                                            "type": "authentication_error", "param": None, "code": None}
     not_allowed = client.delete("/v1/jobs")
     assert not_allowed.status_code == 405 and not_allowed.json()["error"]["status"] == 405
+    # an OpenAI client reads any error of this server: a route it does not serve, a native route's refusal
+    unknown = client.post("/v1/embeddings", json={"input": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    refused = client.post("/v1/jobs", json={"prompt": "x", "top_p": 0}, headers=auth_headers)
+    assert refused.json()["error"]["param"] == "top_p" and refused.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_invalid_utf8_is_422(client: TestClient, auth_headers: dict[str, str]) -> None:
