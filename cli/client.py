@@ -13,11 +13,12 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 
@@ -74,16 +75,35 @@ def cmd_submit(settings: Settings, args: argparse.Namespace) -> None:
         print(json.dumps(_check(client.get(f"/v1/jobs/{job['id']}")), indent=2), file=sys.stderr)
 
 
-def _lines_of(path: str) -> list[str]:
-    """The non-blank lines of a JSONL file, each checked to be a JSON object (exits naming the first that is not)."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    for number, line in enumerate(lines, 1):
+def _lines_of(path: str) -> tuple[list[str], list[int]]:
+    """The non-blank lines of a JSONL file, each checked to be a JSON object (exits naming the first that is not),
+    and each one's line number in the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        sys.exit(f"{path}: cannot read it as a UTF-8 JSONL file: {exc}")
+    numbered = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    for number, line in numbered:
         try:
             if not isinstance(json.loads(line), dict):
                 raise ValueError("not a JSON object")
         except ValueError as exc:
             sys.exit(f"{path}: line {number} is not a JSON object with a job: {exc}")
-    return lines
+    return [line for _, line in numbered], [number for number, _ in numbered]
+
+
+def _refused_line(response: httpx.Response, path: str, numbers: list[int]) -> str | None:
+    """For a chunk refused because of one of its jobs (`jobs.<i>.<field>`), which line of the file, and why."""
+    if response.status_code not in (400, 422):
+        return None
+    try:
+        error = response.json()["error"]
+        index, field = str(error["field"]).removeprefix("jobs.").split(".", 1)
+        number = numbers[int(index)]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+    message = str(error["message"]).replace(f"jobs.{index}.", "")
+    return f"{path}: line {number} was refused ({field}): {message}; lines {numbers[0]} on were not submitted"
 
 
 def retry_delay_s(response: httpx.Response | None, attempt: int) -> float:
@@ -99,14 +119,18 @@ def retry_delay_s(response: httpx.Response | None, attempt: int) -> float:
         return min(MAX_BACKOFF_S, 0.5 * 2**attempt)
 
 
-def send(client: httpx.Client, method: str, url: str, retry_for_s: float, **kwargs: Any) -> Any:
-    """The JSON answer of a request retried on 429, 503 and refused connections for up to retry_for_s seconds."""
+def send(client: httpx.Client, method: str, url: str, retry_for_s: float,
+         explain: Callable[[httpx.Response], str | None] | None = None, **kwargs: Any) -> Any:
+    """The JSON answer of a request retried on 429, 503 and refused connections for up to retry_for_s seconds; an
+    error that `explain` puts in words exits with those words."""
     deadline, attempt = time.monotonic() + retry_for_s, 0
     while True:
         response = None
         try:
             response = client.request(method, url, **kwargs)
             if response.status_code not in RETRY_STATUSES:
+                if explain is not None and (why_not := explain(response)) is not None:
+                    sys.exit(why_not)
                 return _check(response)
             why = f"HTTP {response.status_code}"
         except httpx.ConnectError as exc:  # nothing reached the API, so sending again cannot duplicate jobs
@@ -167,26 +191,36 @@ def _wait_all(client: httpx.Client, job_ids: list[str], retry_for_s: float) -> d
             time.sleep(POLL_INTERVAL_S)
 
 
+def _output(path: str | None) -> TextIO | nullcontext[TextIO]:
+    """Where the results go, opened before anything is submitted: a path that cannot be written fails first."""
+    if path is None:
+        return nullcontext(sys.stdout)
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        sys.exit(f"--output {path}: cannot write it: {exc}")
+
+
 def cmd_submit_file(settings: Settings, args: argparse.Namespace) -> None:
     """Submit every line of a JSONL file as a job (resumably with --state), wait for all, write results as JSONL."""
-    lines = _lines_of(args.path)
+    lines, numbers = _lines_of(args.path)
     state_path = Path(args.state) if args.state else None
     job_ids = _accepted_before(state_path, lines)
     if job_ids:
         print(f"resuming: {len(job_ids)} of {len(lines)} lines were accepted by an earlier run", file=sys.stderr)
     digest = _prefix_digest(lines[:len(job_ids)])
-    with _client(settings, args) as client:
+    with _output(args.output) as out, _client(settings, args) as client:
         # a chunk is accepted all or none, in file order, so the accepted lines are always a prefix of the file
         for start in range(len(job_ids), len(lines), CHUNK_LINES):
             chunk = lines[start:start + CHUNK_LINES]
             accepted = send(client, "POST", "/v1/jobs/batch", args.retry_for,
+                            lambda response: _refused_line(response, args.path, numbers[start:]),
                             json={"jobs": [json.loads(line) for line in chunk]})
             job_ids += [job["id"] for job in accepted["data"]]
             digest.update("".join(line + "\n" for line in chunk).encode())
             if state_path is not None:
                 _save_state(state_path, digest, job_ids)
         results = _wait_all(client, job_ids, args.retry_for)
-    with open(args.output, "w") if args.output else nullcontext(sys.stdout) as out:
         for job_id in job_ids:
             out.write(json.dumps(results[job_id]) + "\n")
 

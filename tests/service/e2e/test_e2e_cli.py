@@ -60,6 +60,8 @@ def test_submit_file_writes_every_final_job_in_order(pagedserve: Cli, tmp_path: 
 
 def test_submit_file_with_a_bad_job_exits_with_the_apis_error(pagedserve: Cli, tmp_path: Path) -> None:
     jobs_file = tmp_path / "bad.jsonl"
-    jobs_file.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": "x", "max_tokens": 0}) + "\n")
+    jobs_file.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + json.dumps({"prompt": "x", "max_tokens": 0}) + "\n")
     submitted = pagedserve("submit-file", str(jobs_file))
-    assert submitted.returncode != 0 and "error 422" in submitted.stderr and "max_tokens" in submitted.stderr
+    assert submitted.returncode != 0 and "Traceback" not in submitted.stderr
+    assert "line 3 was refused (max_tokens)" in submitted.stderr  # the file's line, a blank one counted
+    assert "must be at least 1" in submitted.stderr or "greater than or equal to 1" in submitted.stderr

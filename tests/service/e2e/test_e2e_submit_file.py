@@ -55,7 +55,8 @@ def test_an_interrupted_submission_resumes_without_resubmitting_and_rides_out_42
     lines = [{"prompt": f"line {i}", "max_tokens": 1} for i in range(NUM_LINES)]
     lines[149]["max_tokens"] = 0  # the second chunk is refused whole: the first stays accepted
     first = _submit_file(live_api, headers, tmp_path, lines)
-    assert first.returncode != 0 and "error 422" in first.stderr and "jobs.49.max_tokens" in first.stderr
+    assert first.returncode != 0 and "Traceback" not in first.stderr
+    assert "line 150 was refused (max_tokens)" in first.stderr and "lines 101 on were not submitted" in first.stderr
     accepted = json.loads((tmp_path / "state.json").read_text())["job_ids"]
     assert len(accepted) == 100
     lines[149]["max_tokens"] = 1
@@ -87,3 +88,22 @@ def test_retry_after_seconds_are_honoured_else_backoff_doubles(header: str | Non
 def test_retry_after_as_an_http_date_waits_until_then() -> None:
     when = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
     assert 25 < retry_delay_s(httpx.Response(503, headers={"Retry-After": when}), attempt=0) <= 30
+
+
+def test_unreadable_input_or_output_fails_in_one_line_before_anything_is_submitted(
+    live_api: str, new_auth_headers: Headers, tmp_path: Path
+) -> None:
+    headers = new_auth_headers("bad-paths")
+    token = headers["Authorization"].removeprefix("Bearer ")
+    jobs_file = tmp_path / "jobs.jsonl"
+    jobs_file.write_text(json.dumps({"prompt": "hi", "max_tokens": 1}) + "\n")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    for path, output, blamed in ((jobs_file, tmp_path / "missing" / "out.jsonl", "--output"),
+                                 (tmp_path / "absent.jsonl", tmp_path / "out.jsonl", "absent.jsonl"),
+                                 (tmp_path, tmp_path / "out.jsonl", str(tmp_path)),
+                                 (tmp_path / "latin1.jsonl", tmp_path / "out.jsonl", "UTF-8")):
+        run = subprocess.run([sys.executable, "-m", "cli.main", "submit-file", str(path), "--api-url", live_api,
+                              "--api-key", token, "--output", str(output)], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 1 and blamed in run.stderr and "Traceback" not in run.stderr, run.stderr
+    listing = httpx.get(f"{live_api}/v1/jobs", headers=headers)
+    assert listing.status_code == 200 and listing.json()["data"] == []
