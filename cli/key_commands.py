@@ -91,12 +91,20 @@ def _priority_floor(text: str) -> int | None:
     return value
 
 
+def _key_name(value: str) -> str:
+    """A key's name: printable text of 1 to 128 characters (a tab or newline would forge rows of `keys list`)."""
+    if not 1 <= len(value) <= 128 or not value.isprintable():
+        raise argparse.ArgumentTypeError(f"expected 1 to 128 printable characters (no tabs, newlines or other "
+                                         f"control characters), got {value!r}")
+    return value
+
+
 def add_key_commands(commands: argparse._SubParsersAction) -> None:
     """Register `keys create|list|revoke|rotate` (and the older `create-key`) on the CLI."""
     keys = commands.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
     for sub in (commands.add_parser("create-key", help=cmd_create_key.__doc__),
                 keys.add_parser("create", help=cmd_create_key.__doc__)):
-        sub.add_argument("--name", default="default", help="what the key is for")
+        sub.add_argument("--name", type=_key_name, default="default", help="what the key is for")
         sub.add_argument("--priority-floor", type=_priority_floor, default=None, metavar="N",
                          help="the most urgent priority the key's jobs may have (default: the server's "
                               "--priority-floor)")

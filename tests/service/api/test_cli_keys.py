@@ -120,6 +120,13 @@ def test_unknown_key_ids_are_refused_naming_the_argument(pagedserve: Cli) -> Non
         assert refused.returncode != 0 and "key_id: no API key 'key_nope'" in refused.stderr
 
 
+@pytest.mark.parametrize("name", ["", "evil\tname", "two\nlines", "x" * 129])
+def test_a_key_name_that_would_break_the_listing_is_refused_naming_it(pagedserve: Cli, name: str) -> None:
+    refused = pagedserve("keys", "create", "--name", name)
+    assert refused.returncode == 2 and "--name" in refused.stderr and "Traceback" not in refused.stderr
+    assert all("evil" not in line and "lines" not in line for line in pagedserve("keys", "list").stdout.splitlines())
+
+
 def test_migrating_gives_keys_made_before_per_key_secrets_a_secret_of_their_own(service_settings: Settings) -> None:
     url = service_settings.resolved_database_url()
     migrate.downgrade(url, "0002")
