@@ -28,7 +28,10 @@ def create_batch(
     session: Session, key: ApiKey, input_file_id: str, endpoint: str, window: str, metadata: dict[str, str] | None
 ) -> Batch:
     """Validate the input file and queue one job per line; a malformed file makes a failed batch naming its lines."""
-    stored = get_file(session, key, input_file_id)
+    try:
+        stored = get_file(session, key, input_file_id)
+    except ApiError as exc:  # named as this request names the file
+        raise ApiError(exc.status_code, f"input_file_id: {exc.message}", "input_file_id") from exc
     if stored.purpose != BATCH_INPUT:
         raise ApiError(400, f"input_file_id: file {input_file_id} has purpose '{stored.purpose}', not 'batch'",
                        "input_file_id")

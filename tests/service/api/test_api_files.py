@@ -113,7 +113,8 @@ def test_a_batch_keeps_the_id_of_its_deleted_input_file(client: TestClient, auth
     assert client.delete(f"/v1/files/{file_id}", headers=auth_headers).status_code == 200
     batch = client.get(f"/v1/batches/{batch_id}", headers=auth_headers)
     assert batch.status_code == 200 and batch.json()["input_file_id"] == file_id
-    assert client.post("/v1/batches", json=body, headers=auth_headers).status_code == 404
+    gone = client.post("/v1/batches", json=body, headers=auth_headers)
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "input_file_id"  # as the request names it
 
 
 def test_the_file_count_quota_refuses_uploads_until_a_file_is_deleted(
