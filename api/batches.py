@@ -31,7 +31,7 @@ def create_batch(
     try:
         stored = get_file(session, key, input_file_id)
     except ApiError as exc:  # named as this request names the file
-        raise ApiError(exc.status_code, f"input_file_id: {exc.message}", "input_file_id") from exc
+        raise ApiError(exc.status_code, f"input_file_id: {exc.message}", "input_file_id", exc.headers) from exc
     if stored.purpose != BATCH_INPUT:
         raise ApiError(400, f"input_file_id: file {input_file_id} has purpose '{stored.purpose}', not 'batch'",
                        "input_file_id")

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from sqlalchemy import and_, or_, select
@@ -161,7 +162,7 @@ def _idempotent_match(session: Session, key: ApiKey, idempotency_key: str, reque
     return existing
 
 
-def create_jobs(session: Session, key: ApiKey, bodies: list[JobCreate]) -> list[Job]:
+def create_jobs(session: Session, key: ApiKey, bodies: Sequence[JobCreate]) -> list[Job]:
     """Persist and enqueue many jobs in one transaction: all are accepted or none."""
     jobs = [build_job(key, body, field_prefix=f"jobs.{i}.") for i, body in enumerate(bodies)]
     check_inflight(session, key, len(jobs))

@@ -484,7 +484,7 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    echo: bool = False  # vLLM's: a final assistant message's text starts the answer (continue_final_message)
+    echo: bool = False  # vLLM's: the final message's text starts the answer when it has the answer's role
     # vLLM's: how the chat template renders the messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -560,9 +560,11 @@ class ChatCompletionRequest(OpenAIRequest):
         return sources
 
     def _metadata(self) -> dict[str, MetadataValue]:
+        # vLLM's echo: the final message's text when it has the answer's role (the assistant's, or the final
+        # message's own when no generation prompt starts a new one)
         final = self.messages[-1]
-        echoed = {"openai_chat_echo": final.as_job_message()["content"]} if self.echo and final.role == "assistant" \
-            else {}
+        echoes = self.echo and (final.role == "assistant" or not self.add_generation_prompt)
+        echoed = {"openai_chat_echo": final.as_job_message()["content"]} if echoes else {}
         mode = self._tool_mode()
         if not mode:
             return echoed

@@ -39,7 +39,7 @@ def call_item(call: dict[str, Any]) -> dict[str, Any]:
 
 def output_items(job: Job) -> list[dict[str, Any]]:
     """A succeeded job's answer as output items: its message (unless it only called functions), then its calls."""
-    (choice,) = chat_body(job, "")["choices"]
+    choice = chat_body(job, "")["choices"][0]  # a response has one
     message = choice["message"]
     calls = message.get("tool_calls") or []
     items = []
@@ -63,9 +63,10 @@ def _usage(job: Job) -> dict[str, Any]:
 
 def _instructions(job: Job) -> str | None:
     meta = job.metadata_ or {}
-    if not meta.get("openai_instructions"):
+    messages, history = job.messages or [], meta.get("openai_history")
+    if not meta.get("openai_instructions") or not isinstance(history, int) or not 0 <= history < len(messages):
         return None
-    return str((job.messages or [])[int(meta.get("openai_history") or 0)]["content"])
+    return str(messages[history]["content"])
 
 
 def _tool_choice(mode: Any) -> str | dict[str, str]:
@@ -78,7 +79,7 @@ def _tool_choice(mode: Any) -> str | dict[str, str]:
 
 
 def _text_format(constraint: dict[str, Any] | None) -> dict[str, Any]:
-    """A job's structured outputs as the request's text.format (a forced call's schema is the tool's, not text's)."""
+    """A job's structured outputs as the request's text.format."""
     if not constraint or "json" not in constraint and "json_object" not in constraint:
         return {"type": "text"}
     if "json_object" in constraint:
@@ -93,6 +94,8 @@ def response_object(job: Job, model: str, tools: list[dict[str, Any]] | None = N
     meta = job.metadata_ or {}
     params = job.params or {}
     status = "in_progress" if in_progress else _status(job)
+    mode = meta.get("openai_tool_choice")
+    forced = isinstance(mode, str) and (mode == REQUIRED or mode.startswith(NAMED_PREFIX))  # the tools' schema
     problem = job_failure(job) if status == "failed" else None
     return {
         "id": job.id, "object": "response", "created_at": int(job.created_at.timestamp()), "status": status,
@@ -104,10 +107,11 @@ def response_object(job: Job, model: str, tools: list[dict[str, Any]] | None = N
         "instructions": _instructions(job), "max_output_tokens": params.get("max_tokens"),
         "temperature": params.get("temperature"), "top_p": params.get("top_p"),
         "top_logprobs": params.get("logprobs"),
-        "tools": tools or [], "tool_choice": _tool_choice(meta.get("openai_tool_choice")),
+        "tools": tools or [], "tool_choice": _tool_choice(mode),
         "parallel_tool_calls": True, "previous_response_id": meta.get("openai_previous_response_id"),
         "metadata": {k: v for k, v in meta.items() if not k.startswith("openai_") and k != "user"},
-        "user": meta.get("user"), "text": {"format": _text_format(params.get("structured_outputs"))},
+        "user": meta.get("user"),
+        "text": {"format": {"type": "text"} if forced else _text_format(params.get("structured_outputs"))},
         "truncation": "disabled",
         "store": True, "background": bool(meta.get("openai_background")),
     }

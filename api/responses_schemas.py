@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator
 
 from api.errors import ApiError
 from api.openai_schemas import ChatCompletionRequest, OpenAIBody, bounded_as
@@ -157,9 +157,26 @@ class ResponsesRequest(OpenAIBody):
             raise ValueError("keys must be 1 to 64 characters and not begin with 'openai_' nor be 'user'")
         return value
 
+    @field_validator("background")
+    @classmethod
+    def _not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("stream"):
+            raise ValueError("a background response is fetched with GET /v1/responses/{id}, not streamed: give "
+                             "stream or background, not both")
+        return value
+
     def to_job(self, earlier: list[dict[str, Any]]) -> JobCreate:
         """The job answering this request after the `earlier` conversation (chat messages, from
         previous_response_id): run as a chat completion, marked as a response."""
+        try:
+            job = self._chat_request(earlier).to_job()
+        except ApiError as exc:
+            raise ApiError(exc.status_code, exc.message, _responses_field(exc.field), exc.headers) from exc
+        job.metadata = {**(job.metadata or {}), **self._metadata(len(earlier))}
+        return job
+
+    def _chat_request(self, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat completion request this response runs as."""
         messages = [*earlier, *([{"role": "system", "content": self.instructions}] if self.instructions else []),
                     *_chat_messages(self.input)]
         chat = {
@@ -178,15 +195,9 @@ class ResponsesRequest(OpenAIBody):
         if self.text is not None and self.text.format is not None:
             chat["response_format"] = self.text.format.response_format()
         try:
-            request = ChatCompletionRequest.model_validate(chat)
+            return ChatCompletionRequest.model_validate(chat)
         except ValidationError as exc:  # what the items' own checks let through, named as this request's field
             raise ApiError(400, f"input: {exc.errors()[0]['msg']}", "input") from exc
-        try:
-            job = request.to_job()
-        except ApiError as exc:
-            raise ApiError(exc.status_code, exc.message, _responses_field(exc.field), exc.headers) from exc
-        job.metadata = {**(job.metadata or {}), **self._metadata(len(earlier))}
-        return job
 
     def _metadata(self, history: int) -> dict[str, MetadataValue]:
         """What the job keeps to answer as a response: the endpoint, how many of its messages came before this
@@ -203,8 +214,10 @@ class ResponsesRequest(OpenAIBody):
         return kept
 
     def sent_as(self) -> dict[str, str]:
-        """Job fields this request gave under another name, for naming a refusal found by the worker."""
-        return dict(RENAMED)
+        """Job fields this request gave under another name, for naming a refusal found by the worker: the chat
+        request's names (a forced call's schema is its tool's parameters), as this request names them."""
+        chat_names = self._chat_request([]).sent_as()
+        return RENAMED | {job_field: _responses_field(name) or name for job_field, name in chat_names.items()}
 
 
 def _responses_field(field: str | None) -> str | None:

@@ -22,7 +22,13 @@ from api.openai_relay import cancel_unfinished, failure
 from api.openai_schemas import openai_named
 from api.responses_body import message_id, message_item, response_object, text_part
 from core.models import ApiKey, Job
-from core.openai_responses import CHAT_COMPLETIONS, delta_logprobs, streamed_content_filter, token_namer
+from core.openai_responses import (
+    CHAT_COMPLETIONS,
+    delta_logprobs,
+    streamed_call_name,
+    streamed_content_filter,
+    token_namer,
+)
 
 
 class _ResponseEvents:
@@ -32,8 +38,9 @@ class _ResponseEvents:
         self.job, self.model, self.tools, self.sent_as = job, model, tools, sent_as
         self.sequence = 0
         self.num_top: int | None = job.params.get("logprobs")
-        # a job that may call functions: how much of its text so far is surely content (None: all of it)
-        self.content_filter = streamed_content_filter(job)
+        # a job that may call functions: how much of its text so far is surely content (None: all of it); a named
+        # function's call is all arguments, which come whole with the call's item at the end
+        self.content_filter = (lambda _text: 0) if streamed_call_name(job) else streamed_content_filter(job)
         self.text = ""  # the answer's text so far
         self.sent = 0  # how much of it was streamed
         self.logprobs: list[dict[str, Any]] = []  # of the streamed tokens
@@ -77,10 +84,11 @@ class _ResponseEvents:
         """The events once the job is final: the rest of its answer, its items closed, and the response's end."""
         self.job = job
         problem = failure(job)
-        if problem is not None:
+        if problem is not None:  # failed, or cancelled: the response ends without its answer
             named = openai_named(problem, self.sent_as)
             response = response_object(job, self.model, self.tools)
-            response["error"] = {**response["error"], "message": named.message, "param": named.field}
+            response["error"] = {"code": "server_error" if named.status_code >= 500 else "invalid_prompt",
+                                 "message": named.message, "param": named.field}
             return [self.event("response.failed", response=response)]
         response = response_object(job, self.model, self.tools)
         lines: list[str] = []

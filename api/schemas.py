@@ -115,6 +115,10 @@ class StructuredOutputsIn(BaseModel):
         return set_fields(handler(self))
 
 
+# sampling fields newer than the first workers deployed; a job leaves them out when unset
+ADDED_LATER = frozenset({"bad_words"})
+
+
 class SamplingParamsIn(BaseModel):
     """Sampling parameters, as the engine's SamplingParams takes them."""
 
@@ -306,8 +310,23 @@ class JobCreate(SamplingParamsIn):
         return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def sampling_params(self) -> dict[str, Any]:
-        """The sampling parameters alone, as stored with the job and passed to the engine."""
-        return self.model_dump(include=set(SamplingParamsIn.model_fields), by_alias=True)
+        """The sampling parameters alone, as stored with the job and passed to the engine (without those added
+        later that are unset: a worker from before them still runs the job, as during a rolling upgrade)."""
+        params = self.model_dump(include=set(SamplingParamsIn.model_fields), by_alias=True)
+        return {name: value for name, value in params.items() if value is not None or name not in ADDED_LATER}
+
+
+class JobRequest(JobCreate):
+    """Body of POST /v1/jobs: a job as a client asks for it, whose metadata may not use the keys the OpenAI routes
+    keep there (`openai_...`: how a job answers as a chat completion or a response)."""
+
+    @field_validator("metadata")
+    @classmethod
+    def _no_reserved_keys(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(key for key in value or {} if key.startswith("openai_"))
+        if reserved:
+            raise ValueError(f"keys beginning with 'openai_' are the server's own, got {reserved[0]!r}")
+        return value
 
 
 class JobBatchCreate(BaseModel):
@@ -315,7 +334,7 @@ class JobBatchCreate(BaseModel):
 
     model_config = _STRICT
 
-    jobs: list[JobCreate] = Field(min_length=1, max_length=1000)
+    jobs: list[JobRequest] = Field(min_length=1, max_length=1000)
 
 
 class JobList(BaseModel):

@@ -14,11 +14,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import httpx
 
@@ -191,14 +190,30 @@ def _wait_all(client: httpx.Client, job_ids: list[str], retry_for_s: float) -> d
             time.sleep(POLL_INTERVAL_S)
 
 
-def _output(path: str | None) -> TextIO | nullcontext[TextIO]:
-    """Where the results go, opened before anything is submitted: a path that cannot be written fails first."""
+def _check_output(path: str | None, input_path: str) -> None:
+    """Exit before anything is submitted unless the results can be written to `path` (its folder exists and lets us
+    write, and it is not the input); nothing there is truncated yet."""
     if path is None:
-        return nullcontext(sys.stdout)
+        return
+    target = Path(path)
+    if target.exists() and Path(input_path).exists() and target.samefile(input_path):
+        sys.exit(f"--output {path}: is the input file; give another path")
     try:
-        return open(path, "w", encoding="utf-8")
+        with open(target, "a", encoding="utf-8"):
+            pass
     except OSError as exc:
         sys.exit(f"--output {path}: cannot write it: {exc}")
+
+
+def _write_results(path: str | None, lines: list[str]) -> None:
+    """The results as JSONL, to stdout or written whole then renamed into `path` (an interrupted run leaves an
+    earlier run's results)."""
+    if path is None:
+        sys.stdout.writelines(lines)
+        return
+    partial = Path(path).with_name(Path(path).name + ".partial")
+    partial.write_text("".join(lines), encoding="utf-8")
+    partial.replace(path)
 
 
 def cmd_submit_file(settings: Settings, args: argparse.Namespace) -> None:
@@ -209,7 +224,8 @@ def cmd_submit_file(settings: Settings, args: argparse.Namespace) -> None:
     if job_ids:
         print(f"resuming: {len(job_ids)} of {len(lines)} lines were accepted by an earlier run", file=sys.stderr)
     digest = _prefix_digest(lines[:len(job_ids)])
-    with _output(args.output) as out, _client(settings, args) as client:
+    _check_output(args.output, args.path)
+    with _client(settings, args) as client:
         # a chunk is accepted all or none, in file order, so the accepted lines are always a prefix of the file
         for start in range(len(job_ids), len(lines), CHUNK_LINES):
             chunk = lines[start:start + CHUNK_LINES]
@@ -221,8 +237,7 @@ def cmd_submit_file(settings: Settings, args: argparse.Namespace) -> None:
             if state_path is not None:
                 _save_state(state_path, digest, job_ids)
         results = _wait_all(client, job_ids, args.retry_for)
-        for job_id in job_ids:
-            out.write(json.dumps(results[job_id]) + "\n")
+    _write_results(args.output, [json.dumps(results[job_id]) + "\n" for job_id in job_ids])
 
 
 def _positive_seconds(text: str) -> float:

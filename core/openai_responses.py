@@ -146,8 +146,15 @@ def token_namer(job: Job) -> TokenNamer:
     return _token_id_text if (job.metadata_ or {}).get("openai_token_ids") else _token_text
 
 
-# (token text, its logprob, the top alternatives); no logprob nor alternatives for a prompt's first token
-Step = tuple[str, float | None, list[tuple[str, float]] | None]
+class Named(NamedTuple):
+    """A token of a logprobs answer: its id and the name the answer gives it."""
+
+    token_id: int
+    name: str
+
+
+# (token, its logprob, the top alternatives); no logprob nor alternatives for a prompt's first token
+Step = tuple[Named, float | None, list[tuple[Named, float]] | None]
 
 
 def _steps(token_ids: list[int], logprobs: list[dict[str, float] | None], num_top: int, name: TokenNamer) -> list[Step]:
@@ -155,10 +162,10 @@ def _steps(token_ids: list[int], logprobs: list[dict[str, float] | None], num_to
     steps: list[Step] = []
     for token_id, step in zip(token_ids, logprobs, strict=True):
         if step is None:  # nothing predicts a prompt's first token
-            steps.append((name(token_id), None, None))
+            steps.append((Named(token_id, name(token_id)), None, None))
             continue
         top = sorted(((int(k), v) for k, v in step.items()), key=lambda kv: -kv[1])[:num_top]
-        steps.append((name(token_id), step[str(token_id)], [(name(i), lp) for i, lp in top]))
+        steps.append((Named(token_id, name(token_id)), step[str(token_id)], [(Named(i, name(i)), lp) for i, lp in top]))
     return steps
 
 
@@ -166,19 +173,23 @@ def _completion_logprobs(steps: list[Step], offset: int = 0) -> dict[str, Any]:
     offsets = []
     for token, _, _ in steps:
         offsets.append(offset)
-        offset += len(token)
+        offset += len(token.name)
     return {
-        "tokens": [token for token, _, _ in steps],
+        "tokens": [token.name for token, _, _ in steps],
         "token_logprobs": [logprob for _, logprob, _ in steps],
         # the chosen token is always among a completion's (up to logprobs + 1 entries), as OpenAI and vLLM do
-        "top_logprobs": [None if top is None else {**dict(top), token: lp} for token, lp, top in steps],
+        "top_logprobs": [None if top is None else {**{t.name: v for t, v in top}, token.name: lp}
+                         for token, lp, top in steps],
         "text_offset": offsets,
     }
 
 
 def _chat_logprobs(steps: list[Step]) -> dict[str, Any]:
-    def entry(token: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    token_bytes = configured_prompt_model().token_bytes
+
+    def entry(token: Named, logprob: float | None) -> dict[str, Any]:
+        # the token's own bytes: a piece of a character (an emoji's) names itself U+FFFD, its bytes are exact
+        return {"token": token.name, "logprob": logprob, "bytes": list(token_bytes(token.token_id))}
 
     content = [{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top or []]} for token, lp, top in steps]
     return {"content": content, "refusal": None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from core.model_files import prepared_folder
 from core.settings import get_settings
@@ -94,6 +95,7 @@ class PromptModel:
     special_tokens: dict[str, str]
     # what the engine stops at (config, generation config, tokenizer), which min_tokens holds back
     eos_token_ids: frozenset[int] = frozenset()
+    byte_level: bool = False  # GPT-2's byte-level vocabulary: each byte spelled as one printable character
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     options: ChatTemplateOptions | None = None) -> str:
@@ -149,6 +151,18 @@ class PromptModel:
             )
         return num_tokens
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, also where it holds only part of a character (which its decoded text shows as
+        U+FFFD): a byte-level vocabulary's piece mapped back to bytes, a byte-fallback piece (<0xF0>) its byte,
+        else the decoded text's UTF-8."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is not None:
+            if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+                return bytes([int(byte.group(1), 16)])
+            if self.byte_level and all(char in _BYTE_OF_CHAR for char in piece):
+                return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
     def check_samplable(self, allowed_token_ids: list[int] | None, stop_token_ids: list[int], ignore_eos: bool,
                         min_tokens: int) -> None:
         """PromptFieldError naming allowed_token_ids when min_tokens holds back every token it allows (the engine
@@ -160,6 +174,19 @@ class PromptModel:
             raise PromptFieldError(f"allowed_token_ids holds only stop tokens (EOS or stop_token_ids), which "
                                    f"min_tokens ({min_tokens}) holds back: no token could be sampled",
                                    "allowed_token_ids")
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable bytes stand for themselves, the other 68 for the characters
+    from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {chr(byte): byte for byte in printable} | {chr(256 + i): byte for i, byte in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _eos_token_ids(folder: Path, config: dict[str, Any], tokenizer: Tokenizer,
@@ -240,6 +267,7 @@ def load_prompt_model(
         chat_template=template if isinstance(template, str) else None,
         special_tokens=special_tokens,
         eos_token_ids=_eos_token_ids(folder, config, tokenizer, special_tokens, vocab_size),
+        byte_level=isinstance(tokenizer.decoder, decoders.ByteLevel),
     )
 
 

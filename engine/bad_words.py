@@ -24,11 +24,12 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int) -
     return sequences
 
 
-def banned_next_tokens(sequences: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
-    """The tokens that would complete one of ``sequences`` right after ``output_token_ids``."""
+def banned_next_tokens(sequences: Sequence[Sequence[int]], token_ids: Sequence[int], prompt_len: int) -> list[int]:
+    """The tokens that would complete one of ``sequences`` right after the output (``token_ids`` past
+    ``prompt_len``)."""
     banned = []
     for ids in sequences:
         prefix = len(ids) - 1
-        if prefix <= len(output_token_ids) and list(output_token_ids[len(output_token_ids) - prefix:]) == ids[:-1]:
+        if prefix == 0 or (prefix <= len(token_ids) - prompt_len and list(token_ids[-prefix:]) == list(ids[:-1])):
             banned.append(ids[-1])
     return banned

@@ -45,7 +45,7 @@ class StepSampler:
         if seq.num_output_tokens < params.min_tokens:
             suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
         if group.bad_words_token_ids:
-            suppressed += banned_next_tokens(group.bad_words_token_ids, seq.token_ids[seq.prompt_len:])
+            suppressed += banned_next_tokens(group.bad_words_token_ids, seq.token_ids, seq.prompt_len)
         row = SamplingRow(params, generator or group.generator, seq.token_ids, seq.prompt_len, suppressed, seq.grammar,
                           group.logit_edits)
         group.logit_edits = row.logit_edits(device)  # made at the request's first step, then kept

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from api import jobs
 from api.auth import CurrentKey, DbSession
 from api.errors import ApiError
-from api.schemas import JobBatchCreate, JobBatchOut, JobCreate, JobList, JobOut, WebhookDeliveryOut
+from api.schemas import JobBatchCreate, JobBatchOut, JobList, JobOut, JobRequest, WebhookDeliveryOut
 from core.models import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobOut)
 def submit_job(
-    body: JobCreate,
+    body: JobRequest,
     key: CurrentKey,
     session: DbSession,
     response: Response,

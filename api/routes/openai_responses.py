@@ -47,9 +47,8 @@ def _earlier_conversation(session: Session, key: ApiKey, response_id: str) -> li
         raise ApiError(400, f"previous_response_id: response {response_id} is {job.status.value}; only a finished "
                        "response can be continued", "previous_response_id")
     meta = job.metadata_ or {}
-    history = int(meta.get("openai_history") or 0)
-    messages = list(job.messages or [])
-    if meta.get("openai_instructions"):
+    history, messages = meta.get("openai_history"), list(job.messages or [])
+    if meta.get("openai_instructions") and isinstance(history, int) and 0 <= history < len(messages):
         del messages[history]
     for item in output_items(job):
         if item["type"] == "message":
@@ -57,10 +56,11 @@ def _earlier_conversation(session: Session, key: ApiKey, response_id: str) -> li
             continue
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]}}
-        if messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
-            messages[-1]["tool_calls"].append(call)
-        elif messages[-1]["role"] == "assistant":
-            messages[-1]["tool_calls"] = [call]
+        last = messages[-1] if messages else {}
+        if last.get("role") == "assistant" and last.get("tool_calls") is not None:
+            last["tool_calls"].append(call)
+        elif last.get("role") == "assistant":
+            last["tool_calls"] = [call]
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     return messages

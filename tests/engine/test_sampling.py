@@ -131,10 +131,10 @@ def test_bad_words_take_the_runner_up_where_greedy_would_spell_them(llm: LLM) ->
 
 def test_banned_next_tokens_complete_a_bad_word_after_its_other_tokens() -> None:
     words = [[5], [7, 8], [7, 9, 10]]
-    assert banned_next_tokens(words, []) == [5]
-    assert banned_next_tokens(words, [1, 7]) == [5, 8]
-    assert banned_next_tokens(words, [7, 9]) == [5, 10]
-    assert banned_next_tokens(words, [9]) == [5]
+    assert banned_next_tokens(words, [7, 9], prompt_len=2) == [5]  # the output alone counts, not the prompt
+    assert banned_next_tokens(words, [3, 1, 7], prompt_len=1) == [5, 8]
+    assert banned_next_tokens(words, [3, 7, 9], prompt_len=1) == [5, 10]
+    assert banned_next_tokens(words, [7, 9], prompt_len=1) == [5]
 
 
 def test_a_requests_bias_and_allowed_tokens_become_tensors_once(llm: LLM) -> None:

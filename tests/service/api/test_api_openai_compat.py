@@ -20,7 +20,7 @@ from api.batch_input import build_line
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest, ignored_fields
 from api.prompts import prompt_model
 from core.models import ApiKey, Job, JobStatus
-from core.openai_responses import COMPLETIONS, answer_model, completion_body
+from core.openai_responses import COMPLETIONS, answer_model, chat_body, completion_body
 from core.prompts import ChatTemplateOptions, PromptFieldError
 from core.settings import Settings, configure
 
@@ -506,3 +506,25 @@ def test_a_refusal_names_the_field_as_the_client_sent_it() -> None:
     named = openai_named(ApiError(400, "structured_outputs.choice could not be followed", "structured_outputs.choice"),
                          request.sent_as())
     assert named.field == "guided_choice"
+
+
+@pytest.mark.parametrize("text", ["café 🎉🔥", "the fox", "<|im_end|>"])
+def test_a_tokens_bytes_are_its_own_where_it_holds_part_of_a_character(text: str) -> None:
+    model = prompt_model()  # a byte-level vocabulary, as GPT-2's and SmolLM2's
+    token_ids = model.tokenizer.encode(text).ids
+    assert b"".join(model.token_bytes(token_id) for token_id in token_ids) == text.encode()
+    job = Job(id="job_b", status=JobStatus.succeeded, params={"n": 1, "logprobs": 0}, metadata_={},
+              created_at=datetime.now(UTC), prompt_tokens=1, completion_tokens=len(token_ids),
+              output=[{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": "stop",
+                       "logprobs": [{str(token_id): -1.0} for token_id in token_ids]}])
+    content = chat_body(job, "m")["choices"][0]["logprobs"]["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]) == text.encode()
+
+
+def test_a_byte_fallback_piece_is_its_byte() -> None:
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "<0xF0>": 1, "a": 2}
+    model = dataclasses.replace(prompt_model(), tokenizer=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                byte_level=False)
+    assert [model.token_bytes(i) for i in (1, 2)] == [b"\xf0", b"a"]

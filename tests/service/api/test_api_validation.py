@@ -69,6 +69,7 @@ BAD_BODIES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids: token id 1000000000"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "bad_words": ["dog", "  "]}, "bad_words"),
+    ({"prompt": "x", "metadata": {"openai_endpoint": "/v1/responses"}}, "metadata: Value error, keys beginning"),
     ({"prompt": "x", "bad_words": ["x" * 257]}, "bad_words"),
     ({"prompt": "x", "bad_words": ["x"] * 65}, "bad_words"),
     ({"prompt": "x", "beam_width": 2, "logit_bias": {"5": 1}}, "logit_bias cannot be combined with beam search"),

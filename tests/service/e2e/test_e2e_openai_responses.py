@@ -138,6 +138,32 @@ def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response
         max_output_tokens=32, temperature=0.0, stream=True))
     (arguments,) = [event.arguments for event in streamed if event.type == "response.function_call_arguments.done"]
     jsonschema.validate(json.loads(arguments), WEATHER["parameters"])
+    # the call comes whole as its own item: no text of it streams as a message, each output index is opened once
+    assert not [event for event in streamed if event.type.startswith("response.output_text")]
+    added = [event.output_index for event in streamed if event.type == "response.output_item.added"]
+    assert added == [0] and streamed[-1].response.output[0].type == "function_call"
+    assert streamed[-1].response.text.format.type == "text"  # the tool's schema is no text format
+    with openai_client.responses.stream(model=model, input="Weather in Rome?", tools=[WEATHER],
+                                        tool_choice={"type": "function", "name": "get_weather"},
+                                        max_output_tokens=32, temperature=0.0) as helper:
+        assert helper.get_final_response().output[0].type == "function_call"  # the SDK's helper accepts the stream
+
+
+def test_a_response_cancelled_while_streaming_ends_its_stream_with_response_failed(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    body = {"model": model, "input": "Go on and on.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{live_api}/v1/responses", json=body, headers=auth_headers, timeout=60) as stream:
+        kinds = []
+        for line in stream.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            kinds.append(event["type"])
+            if event["type"] == "response.created":
+                assert openai_client.responses.cancel(event["response"]["id"]).status == "cancelled"
+    assert kinds[-1] == "response.failed" and event["response"]["status"] == "cancelled"
+    assert event["response"]["error"]["message"]
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -155,6 +181,7 @@ def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response
     ({"input": "fox " * 600}, "input"),
     ({"input": "x", "previous_response_id": "job_missing"}, "previous_response_id"),
     ({"input": "x", "metadata": {"openai_endpoint": "x"}}, "metadata"),
+    ({"input": "x", "stream": True, "background": True}, "background"),
 ])
 def test_bad_requests_are_400_naming_the_field_as_sent(
     live_api: str, auth_headers: dict[str, str], model: str, body: dict[str, Any], param: str

@@ -99,6 +99,7 @@ def test_unreadable_input_or_output_fails_in_one_line_before_anything_is_submitt
     jobs_file.write_text(json.dumps({"prompt": "hi", "max_tokens": 1}) + "\n")
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
     for path, output, blamed in ((jobs_file, tmp_path / "missing" / "out.jsonl", "--output"),
+                                 (jobs_file, jobs_file, "is the input file"),
                                  (tmp_path / "absent.jsonl", tmp_path / "out.jsonl", "absent.jsonl"),
                                  (tmp_path, tmp_path / "out.jsonl", str(tmp_path)),
                                  (tmp_path / "latin1.jsonl", tmp_path / "out.jsonl", "UTF-8")):
@@ -107,3 +108,4 @@ def test_unreadable_input_or_output_fails_in_one_line_before_anything_is_submitt
         assert run.returncode == 1 and blamed in run.stderr and "Traceback" not in run.stderr, run.stderr
     listing = httpx.get(f"{live_api}/v1/jobs", headers=headers)
     assert listing.status_code == 200 and listing.json()["data"] == []
+    assert json.loads(jobs_file.read_text()) == {"prompt": "hi", "max_tokens": 1}  # the input is left whole
