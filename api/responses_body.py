@@ -19,7 +19,7 @@ def message_id(job: Job) -> str:
 
 
 def message_item(job: Job, text: str, logprobs: list[dict[str, Any]] | None, status: str = "completed",
-                 ) -> dict[str, Any]:
+                 ) -> dict[str, Any]:  # status: in_progress (opened by a stream, no content yet), completed, incomplete
     """The assistant message item holding `text` (one output_text part; none while a stream opens it)."""
     content = [] if status == "in_progress" else [text_part(text, logprobs)]
     return {"type": "message", "id": message_id(job), "status": status, "role": "assistant", "content": content}
@@ -38,14 +38,18 @@ def call_item(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def output_items(job: Job) -> list[dict[str, Any]]:
-    """A succeeded job's answer as output items: its message (unless it only called functions), then its calls."""
+    """A job's answer as output items: its message (unless it only called functions), then its calls; what a
+    cancelled job had made as an incomplete message; none before it finished."""
+    if not job.output:
+        return []
     choice = chat_body(job, "")["choices"][0]  # a response has one
     message = choice["message"]
     calls = message.get("tool_calls") or []
+    status = "completed" if job.status is JobStatus.succeeded else "incomplete"
     items = []
     if message["content"] or not calls:
         logprobs = (choice["logprobs"] or {}).get("content")
-        items.append(message_item(job, message["content"] or "", logprobs))
+        items.append(message_item(job, message["content"] or "", logprobs, status))
     return items + [call_item(call) for call in calls]
 
 
@@ -99,15 +103,15 @@ def response_object(job: Job, model: str, tools: list[dict[str, Any]] | None = N
     problem = job_failure(job) if status == "failed" else None
     return {
         "id": job.id, "object": "response", "created_at": int(job.created_at.timestamp()), "status": status,
-        "model": model, "output": output_items(job) if status in ("completed", "incomplete") else [],
-        "usage": _usage(job) if status in ("completed", "incomplete") else None,
+        "model": model, "output": [] if in_progress else output_items(job),
+        "usage": _usage(job) if status in ("completed", "incomplete", "cancelled") and job.output else None,
         "error": None if problem is None else {"code": "server_error" if problem.status_code >= 500
                                                else "invalid_prompt", "message": problem.message},
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": _instructions(job), "max_output_tokens": params.get("max_tokens"),
         "temperature": params.get("temperature"), "top_p": params.get("top_p"),
         "top_logprobs": params.get("logprobs"),
-        "tools": tools or [], "tool_choice": _tool_choice(mode),
+        "tools": tools or [], "tool_choice": "none" if meta.get("openai_tool_choice_none") else _tool_choice(mode),
         "parallel_tool_calls": True, "previous_response_id": meta.get("openai_previous_response_id"),
         "metadata": {k: v for k, v in meta.items() if not k.startswith("openai_") and k != "user"},
         "user": meta.get("user"),

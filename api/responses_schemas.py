@@ -7,6 +7,7 @@ and answer before them, `text.format` is the response format and the function to
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator
@@ -15,6 +16,13 @@ from api.errors import ApiError
 from api.openai_schemas import ChatCompletionRequest, OpenAIBody, bounded_as
 from api.schemas import JobCreate, MetadataValue
 from core.openai_responses import RESPONSES
+
+# Fields of OpenAI's Responses API this server does not honour, and why (a 400 naming them, not another answer).
+NOT_SERVED = {
+    "conversation": "stored conversations are not served: send the earlier items in input, or previous_response_id",
+    "prompt": "stored prompt templates are not served: send instructions and input",
+    "max_tool_calls": "max_tool_calls is not served: the model's calls are not counted across a response",
+}
 
 # A job field -> the Responses field that gave it, for naming errors found while the job is built.
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "logprobs": "top_logprobs",
@@ -143,6 +151,17 @@ class ResponsesRequest(OpenAIBody):
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None  # accepted: nothing it may ask for (reasoning, search results) is made here
     reasoning: dict[str, Any] | None = None  # accepted: the served models do not reason
+    # refused rather than ignored: each would change the answer
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+
+    @field_validator("conversation", "prompt", "max_tool_calls")
+    @classmethod
+    def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(NOT_SERVED[info.field_name or ""])
+        return value
 
     @field_validator("input", mode="before")
     @classmethod
@@ -168,10 +187,11 @@ class ResponsesRequest(OpenAIBody):
     def to_job(self, earlier: list[dict[str, Any]]) -> JobCreate:
         """The job answering this request after the `earlier` conversation (chat messages, from
         previous_response_id): run as a chat completion, marked as a response."""
+        _check_calls(earlier, self.input)
         try:
             job = self._chat_request(earlier).to_job()
         except ApiError as exc:
-            raise ApiError(exc.status_code, exc.message, _responses_field(exc.field), exc.headers) from exc
+            raise responses_named(exc) from exc
         job.metadata = {**(job.metadata or {}), **self._metadata(len(earlier))}
         return job
 
@@ -211,6 +231,8 @@ class ResponsesRequest(OpenAIBody):
             kept["openai_previous_response_id"] = self.previous_response_id
         if self.background:
             kept["openai_background"] = True
+        if self.tool_choice == "none":  # no mode of its own: the job keeps it to echo it
+            kept["openai_tool_choice_none"] = True
         return kept
 
     def sent_as(self) -> dict[str, str]:
@@ -220,13 +242,41 @@ class ResponsesRequest(OpenAIBody):
         return RENAMED | {job_field: _responses_field(name) or name for job_field, name in chat_names.items()}
 
 
+# a chat request's field -> this request's, most specific first
+_CHAT_NAMES = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+               ("messages", "input"), ("response_format.json_schema.schema", "text.format.schema"),
+               ("response_format", "text.format"), ("tool_choice.function.name", "tool_choice.name"))
+
+
+def responses_named(error: ApiError) -> ApiError:
+    """An error of the chat request a response runs as (or of its job), in this request's names."""
+    message = error.message
+    for chat_name, name in _CHAT_NAMES:
+        message = message.replace(chat_name, name)
+    return ApiError(error.status_code, message, _responses_field(error.field), error.headers)
+
+
+def _check_calls(earlier: list[dict[str, Any]], items: list[Any]) -> None:
+    """400 naming the item unless each function call's arguments are JSON and each function output answers a call
+    made before it (in the earlier conversation or the input)."""
+    called = {call["id"] for message in earlier for call in message.get("tool_calls") or []}
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallItem):
+            try:
+                json.loads(item.arguments)
+            except ValueError as exc:
+                raise ApiError(400, f"input.{i}.arguments: not JSON ({exc})", f"input.{i}.arguments") from exc
+            called.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in called:
+            raise ApiError(400, f"input.{i}.call_id: no function call with call_id {item.call_id!r} comes before it",
+                           f"input.{i}.call_id")
+
+
 def _responses_field(field: str | None) -> str | None:
     """A chat request's field as this request names it."""
     if field is None:
         return None
-    for chat_name, name in (("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
-                            ("response_format.json_schema.schema", "text.format.schema"),
-                            ("response_format", "text.format"), ("tool_choice.function.name", "tool_choice.name")):
+    for chat_name, name in _CHAT_NAMES:
         if field == chat_name or field.startswith(chat_name + "."):
             return name + field[len(chat_name):]
     if field.startswith("tools.") and ".function." in field:

@@ -21,7 +21,7 @@ from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
 from api.openai_relay import cancel_unfinished, failure
 from api.openai_schemas import openai_named
 from api.responses_body import message_id, message_item, response_object, text_part
-from core.models import ApiKey, Job
+from core.models import ApiKey, Job, JobStatus
 from core.openai_responses import (
     CHAT_COMPLETIONS,
     delta_logprobs,
@@ -84,11 +84,14 @@ class _ResponseEvents:
         """The events once the job is final: the rest of its answer, its items closed, and the response's end."""
         self.job = job
         problem = failure(job)
-        if problem is not None:  # failed, or cancelled: the response ends without its answer
+        if problem is not None:  # failed, or cancelled: the response ends with what it had streamed
             named = openai_named(problem, self.sent_as)
             response = response_object(job, self.model, self.tools)
-            response["error"] = {"code": "server_error" if named.status_code >= 500 else "invalid_prompt",
-                                 "message": named.message, "param": named.field}
+            if not response["output"] and self.sent:  # the worker records a cancelled job's text a moment later
+                response["output"] = [message_item(job, self.text[:self.sent], self.logprobs, "incomplete")]
+            code = "cancelled" if job.status is JobStatus.cancelled else \
+                "server_error" if named.status_code >= 500 else "invalid_prompt"
+            response["error"] = {"code": code, "message": named.message, "param": named.field}
             return [self.event("response.failed", response=response)]
         response = response_object(job, self.model, self.tools)
         lines: list[str] = []

@@ -18,7 +18,7 @@ from api.openai_errors import OpenAIRoute
 from api.openai_relay import create_openai_jobs, failure, wait_for_jobs
 from api.openai_schemas import ignored_fields, openai_named
 from api.responses_body import output_items, response_object
-from api.responses_schemas import ResponsesRequest
+from api.responses_schemas import ResponsesRequest, responses_named
 from api.responses_stream import stream_response
 from core.models import ApiKey, Job, JobStatus
 from core.openai_responses import RESPONSES, answer_model, served_model_id
@@ -79,7 +79,10 @@ async def create_response(body: ResponsesRequest, request: Request, key: Current
     earlier = []
     if body.previous_response_id is not None:
         earlier = await run_in_threadpool(_earlier_conversation, session, key, body.previous_response_id)
-    (job,) = await run_in_threadpool(create_openai_jobs, session, key, [body.to_job(earlier)], body.sent_as())
+    try:
+        (job,) = await run_in_threadpool(create_openai_jobs, session, key, [body.to_job(earlier)], body.sent_as())
+    except ApiError as exc:  # the job's checks speak of the chat request it runs as
+        raise responses_named(exc) from exc
     await run_in_threadpool(session.close)  # waiting or streaming can last minutes
     model = body.model or served_model_id()
     if body.background:
@@ -98,15 +101,25 @@ async def create_response(body: ResponsesRequest, request: Request, key: Current
 
 
 @router.get("/responses/{response_id}")
-def get_response(response_id: str, key: CurrentKey, session: DbSession) -> dict[str, Any]:
-    """A response in its present state: queued, in_progress, or finished with its output."""
+def get_response(response_id: str, key: CurrentKey, session: DbSession, stream: bool = False) -> dict[str, Any]:
+    """A response in its present state: queued, in_progress, or finished with its output (not streamed: a 400 for
+    `stream=true`)."""
+    if stream:
+        raise ApiError(400, "stream: a stored response is fetched whole; stream it by POST /v1/responses with "
+                       "stream: true", "stream")
     job = _response_job(session, key, response_id, "response_id")
     return response_object(job, answer_model(job))
 
 
 @router.post("/responses/{response_id}/cancel")
 def cancel_response(response_id: str, key: CurrentKey, session: DbSession) -> dict[str, Any]:
-    """Cancel a queued or running response (409 once it finished)."""
-    _response_job(session, key, response_id, "response_id")
-    job = cancel_job(session, key, response_id)
+    """Cancel a queued or running response (400 once it finished)."""
+    job = _response_job(session, key, response_id, "response_id")
+    if job.status.is_final:
+        raise ApiError(400, f"response {response_id} is already {response_object(job, '')['status']}; only a queued "
+                       "or in-progress response can be cancelled", "response_id")
+    try:
+        job = cancel_job(session, key, response_id)
+    except ApiError as exc:  # it finished meanwhile
+        raise ApiError(400, f"response {response_id} finished before it could be cancelled", "response_id") from exc
     return response_object(job, answer_model(job))

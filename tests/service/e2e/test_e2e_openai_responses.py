@@ -5,6 +5,7 @@ conversation."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ def test_a_response_is_the_chat_completion_of_its_instructions_and_input(
     assert response.status == ("incomplete" if cut else "completed")
     assert (response.incomplete_details is not None) == cut
     assert response.instructions == "Answer briefly." and response.metadata == {"run": "e2e"}
+    assert response.tool_choice == "auto"
     assert openai_client.responses.retrieve(response.id).output_text == response.output_text
 
 
@@ -109,8 +111,10 @@ def test_a_background_response_is_fetched_once_done_and_can_be_cancelled(
     long = openai_client.responses.create(model=model, input="Go on.", max_output_tokens=400, temperature=0.0,
                                           background=True)
     assert openai_client.responses.cancel(long.id).status == "cancelled"
-    with pytest.raises(openai.ConflictError):
+    with pytest.raises(openai.BadRequestError, match="only a queued or in-progress response"):
         openai_client.responses.cancel(long.id)
+    with pytest.raises(openai.BadRequestError, match="stream"):  # a stored response is not streamed
+        list(openai_client.responses.retrieve(fetched.id, stream=True))
 
 
 def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response(
@@ -147,6 +151,9 @@ def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response
                                         tool_choice={"type": "function", "name": "get_weather"},
                                         max_output_tokens=32, temperature=0.0) as helper:
         assert helper.get_final_response().output[0].type == "function_call"  # the SDK's helper accepts the stream
+    plain = openai_client.responses.create(model=model, input="Hi", tools=[WEATHER], tool_choice="none",
+                                           max_output_tokens=2, temperature=0.0)
+    assert plain.tool_choice == "none" and plain.output[0].type == "message"
 
 
 def test_a_response_cancelled_while_streaming_ends_its_stream_with_response_failed(
@@ -154,16 +161,26 @@ def test_a_response_cancelled_while_streaming_ends_its_stream_with_response_fail
 ) -> None:
     body = {"model": model, "input": "Go on and on.", "max_output_tokens": 400, "stream": True}
     with httpx.stream("POST", f"{live_api}/v1/responses", json=body, headers=auth_headers, timeout=60) as stream:
-        kinds = []
+        kinds, lines = [], []
         for line in stream.iter_lines():
             if not line.startswith("data: "):
                 continue
+            lines.append(line)
             event = json.loads(line.removeprefix("data: "))
             kinds.append(event["type"])
-            if event["type"] == "response.created":
-                assert openai_client.responses.cancel(event["response"]["id"]).status == "cancelled"
+            if kinds.count("response.output_text.delta") == 3:  # cancelled once some text has streamed
+                assert openai_client.responses.cancel(event["item_id"].removeprefix("msg_")).status == "cancelled"
     assert kinds[-1] == "response.failed" and event["response"]["status"] == "cancelled"
-    assert event["response"]["error"]["message"]
+    assert event["response"]["error"]["code"] == "cancelled"
+    streamed = "".join(json.loads(line.removeprefix("data: "))["delta"] for line in lines
+                       if '"response.output_text.delta"' in line)
+    kept = event["response"]["output"]  # what the client was sent stays the response's (incomplete) output
+    assert not streamed or kept[0]["status"] == "incomplete" and kept[0]["content"][0]["text"].startswith(streamed)
+
+    def recorded() -> bool:  # the worker records the cancelled job's text a moment after the cancel
+        return bool(openai_client.responses.retrieve(event["response"]["id"]).output) or not streamed
+
+    wait_until(recorded, 30, "the cancelled response's text to be recorded")
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -182,6 +199,12 @@ def test_a_response_cancelled_while_streaming_ends_its_stream_with_response_fail
     ({"input": "x", "previous_response_id": "job_missing"}, "previous_response_id"),
     ({"input": "x", "metadata": {"openai_endpoint": "x"}}, "metadata"),
     ({"input": "x", "stream": True, "background": True}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": "x", "max_tool_calls": 1}, "max_tool_calls"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_zz", "output": "42"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}]},
+     "input.0.arguments"),
 ])
 def test_bad_requests_are_400_naming_the_field_as_sent(
     live_api: str, auth_headers: dict[str, str], model: str, body: dict[str, Any], param: str
@@ -189,6 +212,8 @@ def test_bad_requests_are_400_naming_the_field_as_sent(
     response = httpx.post(f"{live_api}/v1/responses", json={"model": model, **body}, headers=auth_headers, timeout=30)
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == param, response.text
+    # the message speaks the request's names, not those of the chat completion it runs as
+    assert not re.search(r"max_tokens|max_completion_tokens|messages|tool_choice\.function", response.text)
 
 
 def test_another_keys_response_is_not_found(
