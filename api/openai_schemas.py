@@ -147,6 +147,16 @@ def _only_with(flag: str) -> Any:
     return check
 
 
+def not_served(reasons: dict[str, str]) -> Any:
+    """A field validator refusing each of its fields that is given, with the reason `reasons` holds for it (fields
+    a client may send that the server does not honour: a 400 naming them, not a different answer)."""
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(reasons[info.field_name or ""])
+        return value
+    return check
+
+
 class OpenAIRequest(OpenAIBody):
     """Fields shared by completions and chat completions, plus vLLM's extra sampling fields."""
 
@@ -184,20 +194,14 @@ class OpenAIRequest(OpenAIBody):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens as "token_id:<id>"
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's: keep the prompt's last N tokens
     use_beam_search: bool = False  # vLLM's; false is accepted, true refused: beam search is a job's beam_width
-    # refused rather than ignored (each would change the answer): see _not_served
+    # refused rather than ignored (each would change the answer): NOT_SERVED
     prompt_logprobs: int | None = None
     chat_template: str | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
     _only_when_streaming = field_validator("stream_options")(_only_with("stream"))
-
-    @field_validator("prompt_logprobs", "chat_template", "functions", "function_call")
-    @classmethod
-    def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            raise ValueError(NOT_SERVED[info.field_name or ""])
-        return value
+    _refused = field_validator(*NOT_SERVED)(not_served(NOT_SERVED))
 
     @field_validator("use_beam_search")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator
 
 from api.errors import ApiError
-from api.openai_schemas import ChatCompletionRequest, OpenAIBody, bounded_as
+from api.openai_schemas import ChatCompletionRequest, OpenAIBody, bounded_as, not_served
 from api.schemas import JobCreate, MetadataValue
 from core.openai_responses import RESPONSES
 
@@ -156,12 +156,7 @@ class ResponsesRequest(OpenAIBody):
     prompt: Any = None
     max_tool_calls: int | None = None
 
-    @field_validator("conversation", "prompt", "max_tool_calls")
-    @classmethod
-    def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None:
-            raise ValueError(NOT_SERVED[info.field_name or ""])
-        return value
+    _refused = field_validator(*NOT_SERVED)(not_served(NOT_SERVED))
 
     @field_validator("input", mode="before")
     @classmethod
@@ -197,8 +192,8 @@ class ResponsesRequest(OpenAIBody):
 
     def _chat_request(self, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion request this response runs as."""
-        messages = [*earlier, *([{"role": "system", "content": self.instructions}] if self.instructions else []),
-                    *_chat_messages(self.input)]
+        messages = chat_messages(self.input, [*earlier, *([{"role": "system", "content": self.instructions}]
+                                                          if self.instructions else [])])
         chat = {
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "user": self.user, "priority": self.priority,
@@ -284,18 +279,20 @@ def _responses_field(field: str | None) -> str | None:
     return RENAMED.get(field, field)
 
 
-def _chat_messages(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem]) -> list[dict[str, Any]]:
-    """Input items as chat messages: consecutive function calls are one assistant turn's tool calls."""
-    messages: list[dict[str, Any]] = []
+def chat_messages(items: list[InputMessage | FunctionCallItem | FunctionCallOutputItem],
+                  before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages `before`, then the items as chat messages: a function call joins the assistant turn just before
+    it (its text, or the calls before it) as one of its tool calls, as a chat completion answers text and calls."""
+    messages = list(before)
     for item in items:
         if isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name,
                                                                          "arguments": item.arguments}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)
+            last = messages[-1] if messages else {}
+            if last.get("role") == "assistant":  # a copy: `before` may be a stored job's messages
+                messages[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:

@@ -120,7 +120,8 @@ def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
 
 
 def chat_echo(job: Job) -> str:
-    """The text a chat answer starts with: the final assistant message's, when the request asked for echo ('')."""
+    """The text a chat answer starts with where the request asked for echo: its final message's, when that message
+    has the answer's role (''; see ChatCompletionRequest's echo)."""
     return str((job.metadata_ or {}).get("openai_chat_echo") or "")
 
 

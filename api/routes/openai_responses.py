@@ -18,7 +18,7 @@ from api.openai_errors import OpenAIRoute
 from api.openai_relay import create_openai_jobs, failure, wait_for_jobs
 from api.openai_schemas import ignored_fields, openai_named
 from api.responses_body import output_items, response_object
-from api.responses_schemas import ResponsesRequest, responses_named
+from api.responses_schemas import FunctionCallItem, InputMessage, ResponsesRequest, chat_messages, responses_named
 from api.responses_stream import stream_response
 from core.models import ApiKey, Job, JobStatus
 from core.openai_responses import RESPONSES, answer_model, served_model_id
@@ -50,20 +50,9 @@ def _earlier_conversation(session: Session, key: ApiKey, response_id: str) -> li
     history, messages = meta.get("openai_history"), list(job.messages or [])
     if meta.get("openai_instructions") and isinstance(history, int) and 0 <= history < len(messages):
         del messages[history]
-    for item in output_items(job):
-        if item["type"] == "message":
-            messages.append({"role": "assistant", "content": item["content"][0]["text"]})
-            continue
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]}}
-        last = messages[-1] if messages else {}
-        if last.get("role") == "assistant" and last.get("tool_calls") is not None:
-            last["tool_calls"].append(call)
-        elif last.get("role") == "assistant":
-            last["tool_calls"] = [call]
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    return messages
+    answer = [InputMessage(role="assistant", content=item["content"][0]["text"]) if item["type"] == "message"
+              else FunctionCallItem.model_validate(item) for item in output_items(job)]
+    return chat_messages(answer, messages)
 
 
 def _tools(body: ResponsesRequest) -> list[dict[str, Any]]:

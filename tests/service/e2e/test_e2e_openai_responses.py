@@ -230,3 +230,20 @@ def test_another_keys_response_is_not_found(
                                                  max_tokens=1)
     with pytest.raises(openai.NotFoundError):  # a chat completion's job is no response
         openai_client.responses.retrieve(chat.id)
+
+
+def test_a_function_call_joins_the_assistant_turn_before_it_as_a_chat_completion_answers() -> None:
+    from api.responses_schemas import ResponsesRequest, chat_messages
+
+    items = ResponsesRequest.model_validate({"input": [
+        {"role": "assistant", "content": "Let me look."},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"}]}).input
+    before = [{"role": "user", "content": "Hi"}]
+    messages = chat_messages(items, before)
+    assert before == [{"role": "user", "content": "Hi"}]  # left as it was
+    assert messages[1] == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
+    assert messages[2] == {"role": "tool", "content": "1", "tool_call_id": "c1"} and len(messages) == 3
