@@ -3,11 +3,14 @@
 Contiguous SDPA is the ideal that paging costs against. Paged decode is timed on its planned
 path, as the engine runs it: the plan (checks, and the launch sizes chosen for the device,
 such as the partition length from the SM count) is made once outside the timed call, so
-neither the checks nor a device sync are measured. For each batch x context size the
+neither the checks nor a device sync are measured. Both sides are timed replaying a CUDA graph,
+as the engine replays decode: at small sizes a kernel runs for less than Python takes to launch
+it, and eager timings would measure the host. For each batch x context size the
 script reports both times, their ratio, and the bandwidth each achieves reading K and V,
 prints a table and writes JSON. Needs a CUDA GPU; exits cleanly without one.
 
     python benchmarks/kernels.py [--dtype float16] [--out benchmarks/results/kernels.json]
+    python benchmarks/kernels.py --from-json RESULT.json   # the table and plot of a recorded run, no GPU
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     parser.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.json"))
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="print the table and write the plot of a recorded run (beside it) instead of measuring")
     return parser.parse_args()
 
 
@@ -107,8 +112,8 @@ def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float 
         return F.scaled_dot_product_attention(sdpa_query, key, value, scale=scale, enable_gqa=True)
 
     max_abs_diff = (paged().float() - sdpa()[:, :, 0].float()).abs().max().item()
-    paged_ms = triton.testing.do_bench(paged)
-    sdpa_ms = triton.testing.do_bench(sdpa)
+    paged_ms = triton.testing.do_bench_cudagraph(paged)
+    sdpa_ms = triton.testing.do_bench_cudagraph(sdpa)
     kv_bytes = 2 * batch * context_len * kv_heads * head_dim * key_cache.element_size()
     paged_gbps = kv_bytes / paged_ms / 1e6
     return Row(
@@ -138,9 +143,35 @@ def print_table(rows: list[Row]) -> None:
         )
 
 
+def save_plot(rows: list[Row], device: str, path: Path) -> None:
+    """Paged ÷ SDPA time per batch x context, with the 1.0 line (paging free)."""
+    from benchmarks.common import new_figure
+
+    fig, ax = new_figure(figsize=(7, 4))
+    labels = [f"b{r.batch} ctx{r.context_len}" for r in rows]
+    ax.bar(labels, [r.paged_over_sdpa for r in rows], color="tab:blue")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("paged decode time ÷ contiguous SDPA")
+    ax.set_title(f"Paged decode attention vs SDPA, {device} (CUDA graph replay)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def replot(recorded: Path) -> int:
+    """The table and the plot of a recorded run."""
+    report = json.loads(recorded.read_text())
+    rows = [Row(**row) for row in report["rows"]]
+    print_table(rows)
+    save_plot(rows, report["device"], recorded.with_suffix(".png"))
+    print(f"wrote {recorded.with_suffix('.png')}")
+    return 0
+
+
 def main() -> int:
-    """Run the grid, print the table, write the JSON."""
+    """Run the grid, print the table, write the JSON and the plot."""
     args = parse_args()
+    if args.from_json is not None:
+        return replot(args.from_json)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; none found, nothing measured.")
         return 0
@@ -152,15 +183,17 @@ def main() -> int:
     ]
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k != "out"}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "from_json")}
     report = {
         "device": torch.cuda.get_device_name(),
+        "timing": "triton.testing.do_bench_cudagraph",
         "peak_gbps": peak,
         "config": config,
         "rows": [asdict(r) for r in rows],
     }
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    save_plot(rows, report["device"], args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
 

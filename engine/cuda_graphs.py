@@ -14,8 +14,10 @@ captured function over the same static buffers and so checks everything but capt
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -69,7 +71,8 @@ class CudaGraphCapture:
 
     def capture(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Record ``forward`` on a side stream (it ran once before, so Triton compiled outside the capture)."""
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: another thread's CUDA calls (a service's other threads) cannot invalidate this capture
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             return forward()
 
     def replay(self) -> None:
@@ -245,5 +248,22 @@ def capture_decode_graphs(
                        getattr(ops, "__name__", ops))
         return None
     pool = torch.cuda.graph_pool_handle()
-    graphs.capture(lambda: CudaGraphCapture(pool))
+    with garbage_collection_paused():
+        graphs.capture(lambda: CudaGraphCapture(pool))
     return graphs
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Collect now, then no collection until the block ends. A cycle collected during a capture can hold CUDA
+    objects of an earlier engine (graphs, events, pinned memory), and releasing them is a call that invalidates the
+    capture in progress ("operation failed due to a previous error during capture", seen on an H200 when a test
+    built a second engine). torch no longer collects on entering a capture (unless ``force_cudagraph_gc``)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

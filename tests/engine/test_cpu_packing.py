@@ -64,7 +64,7 @@ def test_bf16_engine_generates_the_same_tokens_with_and_without_packing(tiny_mod
     def generate(packing: str) -> list[list[int]]:
         # the plain-torch backend: "off" would fuse the norms on the cpu one, and this compares packing alone
         llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="8MiB", cpu_weight_packing=packing,
-                  attention_backend="torch")
+                  attention_backend="torch", device="cpu")
         is_packed = isinstance(llm.engine.model.lm_head, cpu_packing.PackedLinear)
         assert is_packed == (packing == "exact" and BF16_PACKS)
         return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
@@ -156,7 +156,8 @@ def test_onednn_fp32_engine_keeps_the_exact_modes_log_probs_and_greedy_tokens(ti
     assert abs(mean) < 1e-5 and mean_abs < 1e-4
 
     def generate(packing: str) -> list[list[int]]:
-        llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", cpu_weight_packing=packing)
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="8MiB", cpu_weight_packing=packing,
+                  device="cpu")
         assert isinstance(llm.engine.model.lm_head, cpu_packing.PackedLinear) == (packing == "onednn")
         return numerics.greedy_tokens(llm, numerics.PROMPTS, 24)
 

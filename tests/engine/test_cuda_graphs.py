@@ -8,7 +8,9 @@ graphs with eager decoding.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from engine.cuda_graphs import (  # noqa: E402
     EagerCapture,
     capture_decode_graphs,
     capture_sizes,
+    garbage_collection_paused,
     padded_batch_size,
     uses_cuda_graphs,
 )
@@ -67,6 +70,21 @@ def test_capture_sizes_are_1_2_4_then_multiples_of_8_up_to_the_first_that_holds_
     assert capture_sizes(64) == [1, 2, 4, *range(8, 65, 8)]
     with pytest.raises(ValueError, match="max_batch"):
         capture_sizes(0)
+
+
+def test_captures_run_after_one_collection_with_collection_paused() -> None:
+    # a cycle collected during a capture released an earlier engine's CUDA objects and invalidated the capture
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.itself = garbage  # type: ignore[attr-defined]
+    ref = weakref.ref(garbage)
+    del garbage
+    with garbage_collection_paused():
+        assert ref() is None
+        assert not gc.isenabled()
+    assert gc.isenabled()
 
 
 def test_a_batch_runs_in_the_smallest_size_that_holds_it() -> None:

@@ -3,7 +3,8 @@
 On a CUDA device every read-back (``.item()``, ``.tolist()``, ``bool(tensor)``, boolean-mask
 indexing...) stalls the host until the GPU has caught up. This CPU test counts the calls that
 would do so, made by engine/ and paged_kernels/ code during one decode step with the Triton backend
-(run by Triton's interpreter here; the interpreter's own copies are not the engine's).
+(run by Triton's interpreter on the CPU, whose own copies are not the engine's; compiled, on the device, where
+there is a GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import LLM, SamplingParams  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton takes device tensors only
 
 REPO = Path(__file__).resolve().parents[2]
 COUNTED_DIRS = (str(REPO / "engine") + os.sep, str(REPO / "paged_kernels") + os.sep)
@@ -76,7 +79,7 @@ class ReadBackCounter(TorchFunctionMode):
 def _engine_with_requests(folder: Path, num_seqs: int) -> LLM:
     """An engine on the Triton backend holding ``num_seqs`` greedy requests, not yet stepped."""
     llm = LLM(model=str(folder), dtype="float32", kv_cache_memory="4MiB", attention_backend="triton",
-              block_size=8, device="cpu")
+              block_size=8, device=DEVICE)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         llm.engine.add_request(f"r{i}", list(range(10 + 7 * i, 30 + 9 * i)), params)
@@ -111,12 +114,11 @@ def test_the_counter_sees_the_read_back_of_an_unplanned_decode() -> None:
     # without a plan, decode must read the context lengths back to size its grid
     from paged_kernels import triton_ops
 
-    cache = torch.zeros(4, 8, 1, 16)
+    cache = torch.zeros(4, 8, 1, 16, device=DEVICE)
+    tables, lengths = torch.tensor([[0, 1]], device=DEVICE), torch.tensor([9], device=DEVICE)
     counter = ReadBackCounter()
     with counter:
-        triton_ops.paged_attention_decode(
-            torch.zeros(1, 2, 16), cache, cache, torch.tensor([[0, 1]]), torch.tensor([9]), 0.25,
-        )
+        triton_ops.paged_attention_decode(torch.zeros(1, 2, 16, device=DEVICE), cache, cache, tables, lengths, 0.25)
     assert sum(counter.sites.values()) == 1, dict(counter.sites)
     assert all(site.startswith("paged_kernels/checks.py") for site in counter.sites)
 
@@ -125,7 +127,7 @@ def test_steps_that_swap_and_copy_blocks_read_back_only_the_sampled_tokens(tiny_
     # ten 8-token blocks cannot hold three requests of two samples each: sequences are swapped
     # out and in, and each sample's first write to its shared last block copies it
     llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=10 * 4096, attention_backend="triton",
-              block_size=8, device="cpu", watermark=0.0, preemption_mode="swap")
+              block_size=8, device=DEVICE, watermark=0.0, preemption_mode="swap")
     params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=0, ignore_eos=True)
     for i in range(3):
         llm.engine.add_request(f"r{i}", list(range(10 + 5 * i, 30 + 5 * i)), params)

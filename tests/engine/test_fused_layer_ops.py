@@ -135,7 +135,7 @@ def _fused(llm: LLM) -> bool:
 def test_the_engine_fuses_layer_ops_only_where_they_hold(
     tiny_model_dir: Path, kwargs: dict[str, str], fused: bool, fused_ops,  # type: ignore[no-untyped-def]
 ) -> None:
-    llm = LLM(model=str(tiny_model_dir), **{"dtype": "float32", "kv_cache_memory": "4MiB", **kwargs})
+    llm = LLM(model=str(tiny_model_dir), **{"dtype": "float32", "kv_cache_memory": "4MiB", "device": "cpu", **kwargs})
     assert _fused(llm) is fused
 
 
@@ -146,6 +146,7 @@ def test_fused_and_plain_layers_give_the_same_greedy_text(tiny_model_dir: Path, 
     prompts = ["Hello, my name is", "The capital of France", "1 2 3 4"]
     outputs = {}
     for backend in ("cpu", "torch"):
-        llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", attention_backend=backend)
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="4MiB", attention_backend=backend,
+                  device="cpu")
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outputs["cpu"] == outputs["torch"]
