@@ -7,7 +7,8 @@ neither the checks nor a device sync are measured. Both sides are timed replayin
 as the engine replays decode: at small sizes a kernel runs for less than Python takes to launch
 it, and eager timings would measure the host. For each batch x context size the
 script reports both times, their ratio, and the bandwidth each achieves reading K and V,
-prints a table and writes JSON. Needs a CUDA GPU; exits cleanly without one.
+prints a table and writes JSON and a plot beside it. Measuring needs a CUDA GPU (it exits cleanly
+without one); re-rendering a recorded run does not.
 
     python benchmarks/kernels.py [--dtype float16] [--out benchmarks/results/kernels.json]
     python benchmarks/kernels.py --from-json RESULT.json   # the table and plot of a recorded run, no GPU
@@ -143,8 +144,8 @@ def print_table(rows: list[Row]) -> None:
         )
 
 
-def save_plot(rows: list[Row], device: str, path: Path) -> None:
-    """Paged ÷ SDPA time per batch x context, with the 1.0 line (paging free)."""
+def save_plot(rows: list[Row], device: str, timing: str, path: Path) -> None:
+    """Paged ÷ SDPA time per batch x context, with the 1.0 line (paging free), titled with how it was timed."""
     from benchmarks.common import new_figure
 
     fig, ax = new_figure(figsize=(7, 4))
@@ -152,7 +153,7 @@ def save_plot(rows: list[Row], device: str, path: Path) -> None:
     ax.bar(labels, [r.paged_over_sdpa for r in rows], color="tab:blue")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("paged decode time ÷ contiguous SDPA")
-    ax.set_title(f"Paged decode attention vs SDPA, {device} (CUDA graph replay)")
+    ax.set_title(f"Paged decode attention vs SDPA, {device} ({timing})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -162,7 +163,7 @@ def replot(recorded: Path) -> int:
     report = json.loads(recorded.read_text())
     rows = [Row(**row) for row in report["rows"]]
     print_table(rows)
-    save_plot(rows, report["device"], recorded.with_suffix(".png"))
+    save_plot(rows, report["device"], report.get("timing", "timing not recorded"), recorded.with_suffix(".png"))
     print(f"wrote {recorded.with_suffix('.png')}")
     return 0
 
@@ -192,7 +193,7 @@ def main() -> int:
         "rows": [asdict(r) for r in rows],
     }
     args.out.write_text(json.dumps(report, indent=2))
-    save_plot(rows, report["device"], args.out.with_suffix(".png"))
+    save_plot(rows, report["device"], report["timing"], args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

@@ -37,7 +37,7 @@ def test_the_script_parses_as_bash() -> None:
 
 
 def test_the_script_writes_its_python_helpers() -> None:
-    assert set(_python_helpers()) == {"smoke.py", "e2e.py", "micro.py", "structured.py", "hostprof.py"}
+    assert set(_python_helpers()) == {"smoke.py", "e2e.py", "micro.py", "hostprof.py"}
 
 
 @pytest.mark.parametrize(("name", "source"), sorted(_python_helpers().items()))
@@ -60,3 +60,10 @@ def test_one_line_imports_exist() -> None:
     for module_name, names in found:
         for name in (part.split()[0] for part in names.split(",")):
             assert _exists(module_name, name), f"{module_name} has no {name}"
+
+
+def test_every_step_is_a_name_skip_knows() -> None:
+    text = SCRIPT.read_text()
+    steps = re.findall(r"^ *step (\w+) ", text, re.M)
+    known = re.search(r'^STEPS=" (.*) "$', text, re.M)
+    assert known is not None and steps == known.group(1).split()

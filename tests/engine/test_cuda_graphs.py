@@ -32,11 +32,10 @@ from engine.cuda_graphs import (  # noqa: E402
     uses_cuda_graphs,
 )
 from paged_kernels.checks import HostTables  # noqa: E402
-from tests.engine.test_device_syncs import READ_BACKS, ReadBackCounter  # noqa: E402
+from tests.engine.test_device_syncs import DEVICE, READ_BACKS, ReadBackCounter  # noqa: E402
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 64  # static tables of 8 blocks
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton (no interpreter) takes CUDA tensors only
 
 
 def _llm(folder: Path, backend: str, **kwargs: object) -> LLM:
@@ -72,7 +71,7 @@ def test_capture_sizes_are_1_2_4_then_multiples_of_8_up_to_the_first_that_holds_
         capture_sizes(0)
 
 
-def test_captures_run_after_one_collection_with_collection_paused() -> None:
+def test_collection_is_paused_after_one_collection_and_resumes() -> None:
     # a cycle collected during a capture released an earlier engine's CUDA objects and invalidated the capture
     class Cycle:
         pass
@@ -216,3 +215,21 @@ def test_decoding_from_cuda_graphs_gives_the_eager_tokens(tiny_model_dir: Path) 
         assert (graphs is None) == enforce_eager
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and graphs.num_replays > 0
     assert results[1] == results[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_engine_captures_while_an_earlier_one_waits_in_a_cycle_for_collection(tiny_model_dir: Path) -> None:
+    # on an H200 a collection during capture released an earlier engine's CUDA objects and failed the capture
+    earlier = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", kv_cache_memory="8MiB", max_num_seqs=8)
+    earlier.itself = earlier  # type: ignore[attr-defined]  # freed only by a collection
+    del earlier
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # were collection on, it would run at nearly every allocation of the capture
+    try:
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", kv_cache_memory="8MiB", max_num_seqs=8)
+    finally:
+        gc.set_threshold(*threshold)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0

@@ -1,7 +1,7 @@
 """A decode step reads device memory back once: the sampled tokens.
 
 On a CUDA device every read-back (``.item()``, ``.tolist()``, ``bool(tensor)``, boolean-mask
-indexing...) stalls the host until the GPU has caught up. This CPU test counts the calls that
+indexing...) stalls the host until the GPU has caught up. This test counts the calls that
 would do so, made by engine/ and paged_kernels/ code during one decode step with the Triton backend
 (run by Triton's interpreter on the CPU, whose own copies are not the engine's; compiled, on the device, where
 there is a GPU).

@@ -15,6 +15,7 @@ import torch
 
 from core.structured_outputs import StructuredOutputError
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.model_files import load_tokenizer
 from engine.outputs import RequestOutput
 from engine.sampler import SamplingRow, sample
 from engine.structured_output import GrammarCompiler
@@ -164,6 +165,14 @@ def test_a_bad_constraint_is_refused_by_name_and_the_engine_serves_on(llm: LLM, 
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outputs] == ["bystander"] and len(outputs[0].outputs[0].token_ids) == 6
+
+
+def test_the_default_models_tokenizer_converts_as_byte_level_bpe() -> None:
+    # transformers 5.17 converted SmolLM2's GGUF tokenizer with sentencepiece byte fallback: llguidance then read
+    # "Ġb" as those bytes, and every grammar with a space refused the model's tokens (on a GPU image, 2026-12-04)
+    spec = json.loads(load_tokenizer("smollm2-135m-instruct").backend_tokenizer.to_str())
+    assert spec["decoder"]["type"] == "ByteLevel"
+    assert not spec["model"].get("byte_fallback")
 
 
 def test_vllms_structured_outputs_params_class_is_accepted(llm: LLM) -> None:
