@@ -59,6 +59,32 @@ class GrammarState:
         self.matcher.consume_tokens(token_ids)
 
 
+class TokenizerMismatchError(RuntimeError):
+    """llguidance reads the model's tokens as other bytes than its tokenizer decodes them to: no grammar could be
+    followed (the server's model, not a request, is at fault)."""
+
+
+# spaces, punctuation, a digit and a two-byte character: what byte-level and sentencepiece tokenizers spell apart
+TOKENIZER_PROBE = " a b, 1 é"
+
+
+def check_tokens_read_alike(tokenizer: llguidance.LLTokenizer, hf_tokenizer: Any) -> None:
+    """TokenizerMismatchError unless llguidance decodes ``TOKENIZER_PROBE``'s tokens to the bytes the tokenizer
+    decodes them to. transformers 5.17 converted SmolLM2's GGUF tokenizer (byte-level BPE) with sentencepiece
+    byte-fallback pieces: llguidance then read "Ġb" as those two bytes and refused every token with a space."""
+    ids = hf_tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+    expected = hf_tokenizer.decode(ids, clean_up_tokenization_spaces=False).encode()
+    got = tokenizer.decode_bytes(ids)
+    # a sentencepiece tokenizer's decode drops the space its first piece begins with ("▁a"), llguidance keeps it
+    if got.lstrip() != expected.lstrip():
+        raise TokenizerMismatchError(
+            f"structured outputs cannot be used with this model: llguidance reads the tokens {ids} of "
+            f"{TOKENIZER_PROBE!r} as {got!r}, the tokenizer as {expected!r} (a GGUF tokenizer converted by "
+            "transformers < 5.25 does this: delete the model's converted folder in the cache directory "
+            "(PAGEDSERVE_CACHE_DIR, default ~/.cache/pagedserve) and run `pagedserve prepare` with "
+            "transformers >= 5.25)")
+
+
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
     # the masks are filled while torch's threads idle (the sampler waits for them): as many threads as torch's
@@ -101,8 +127,10 @@ class GrammarCompiler:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
+                check_tokens_read_alike(tokenizer, self._hf_tokenizer)
+                self._tokenizer = tokenizer
             return self._tokenizer
 
     def is_compiled(self, spec: dict[str, Any]) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import (  # noqa: E402
     PADDING_SLOT,
+    CudaGraphCapture,
     DecodeGraphRunner,
     EagerCapture,
     capture_decode_graphs,
@@ -219,17 +221,29 @@ def test_decoding_from_cuda_graphs_gives_the_eager_tokens(tiny_model_dir: Path) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_an_engine_captures_while_an_earlier_one_waits_in_a_cycle_for_collection(tiny_model_dir: Path) -> None:
-    # on an H200 a collection during capture released an earlier engine's CUDA objects and failed the capture
+def test_an_engine_captures_while_an_earlier_one_waits_in_a_cycle_for_collection(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # on an H200 a collection during capture released an earlier engine's CUDA objects and failed the capture;
+    # automatic collections come when they will, so each capture here collects, as one would, if collection is on
+    capture = CudaGraphCapture.capture
+
+    def capture_then_collect(self: CudaGraphCapture, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        def forward_then_collect() -> torch.Tensor:
+            out = forward()
+            if gc.isenabled():
+                gc.collect()
+            return out
+
+        return capture(self, forward_then_collect)
+
+    monkeypatch.setattr(CudaGraphCapture, "capture", capture_then_collect)
     earlier = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", kv_cache_memory="8MiB", max_num_seqs=8)
     earlier.itself = earlier  # type: ignore[attr-defined]  # freed only by a collection
+    gone = weakref.ref(earlier)
     del earlier
-    threshold = gc.get_threshold()
-    gc.set_threshold(1)  # were collection on, it would run at nearly every allocation of the capture
-    try:
-        llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", kv_cache_memory="8MiB", max_num_seqs=8)
-    finally:
-        gc.set_threshold(*threshold)
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", device="cuda", kv_cache_memory="8MiB", max_num_seqs=8)
+    assert gone() is None
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays > 0

@@ -12,13 +12,15 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
 
 from core.structured_outputs import StructuredOutputError
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.model_files import load_tokenizer
 from engine.outputs import RequestOutput
 from engine.sampler import SamplingRow, sample
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import GrammarCompiler, TokenizerMismatchError
 from tests.engine.hf_reference import hf_logprobs
 from tests.engine.test_fault_isolation import poisoned
 
@@ -173,6 +175,22 @@ def test_the_default_models_tokenizer_converts_as_byte_level_bpe() -> None:
     spec = json.loads(load_tokenizer("smollm2-135m-instruct").backend_tokenizer.to_str())
     assert spec["decoder"]["type"] == "ByteLevel"
     assert not spec["model"].get("byte_fallback")
+
+
+def test_a_tokenizer_llguidance_misreads_is_refused_once_with_the_cause() -> None:
+    # the tokenizer transformers 5.17 made of SmolLM2's GGUF: sentencepiece byte fallback over byte-level BPE
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, spec["decoder"]]}
+    spec["model"]["byte_fallback"] = True
+    misread = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                      eos_token=tokenizer.eos_token)
+    compiler = GrammarCompiler(misread, len(tokenizer), {tokenizer.eos_token_id})
+    with pytest.raises(TokenizerMismatchError, match="transformers < 5.25"):
+        compiler.compile({"choice": ["a b"]})
+    GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id}).compile({"choice": ["a b"]})  # the right one
 
 
 def test_vllms_structured_outputs_params_class_is_accepted(llm: LLM) -> None:
