@@ -109,10 +109,13 @@ def print_table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> N
     console.print(table)
 
 
-def save_bar_chart(labels: list[str], values: list[float], ylabel: str, title: str, path: Path) -> None:
-    """Save a bar chart of ``values`` per label as a PNG."""
+def save_bar_chart(labels: list[str], values: list[float], ylabel: str, title: str, path: Path,
+                   reference: float | None = None) -> None:
+    """Save a bar chart of ``values`` per label as a PNG, with a horizontal line at ``reference`` if given."""
     fig, ax = new_figure(figsize=(7, 4))
     ax.bar(labels, values, color="tab:blue")
+    if reference is not None:
+        ax.axhline(reference, color="black", linewidth=0.8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", rotation=20)

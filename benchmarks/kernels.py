@@ -146,16 +146,11 @@ def print_table(rows: list[Row]) -> None:
 
 def save_plot(rows: list[Row], device: str, timing: str, path: Path) -> None:
     """Paged ÷ SDPA time per batch x context, with the 1.0 line (paging free), titled with how it was timed."""
-    from benchmarks.common import new_figure
+    from benchmarks.common import save_bar_chart
 
-    fig, ax = new_figure(figsize=(7, 4))
-    labels = [f"b{r.batch} ctx{r.context_len}" for r in rows]
-    ax.bar(labels, [r.paged_over_sdpa for r in rows], color="tab:blue")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("paged decode time ÷ contiguous SDPA")
-    ax.set_title(f"Paged decode attention vs SDPA, {device} ({timing})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_bar_chart([f"b{r.batch} ctx{r.context_len}" for r in rows], [r.paged_over_sdpa for r in rows],
+                   "paged decode time ÷ contiguous SDPA", f"Paged decode attention vs SDPA, {device} ({timing})",
+                   path, reference=1.0)
 
 
 def replot(recorded: Path) -> int:

@@ -120,16 +120,23 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the logits' width (the model's, which may pad the tokenizer's)
         self._eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built at the first constraint (about a second)
+        self._mismatch: TokenizerMismatchError | None = None  # why that tokenizer was refused, once found
         # by constraint (its JSON text); never advanced, only copied from
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
+            if self._mismatch is not None:  # the model cannot change: every later constraint is refused alike
+                raise self._mismatch
             if self._tokenizer is None:
                 tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
-                check_tokens_read_alike(tokenizer, self._hf_tokenizer)
+                try:
+                    check_tokens_read_alike(tokenizer, self._hf_tokenizer)
+                except TokenizerMismatchError as mismatch:
+                    self._mismatch = mismatch
+                    raise
                 self._tokenizer = tokenizer
             return self._tokenizer
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import llguidance.hf
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -177,7 +178,7 @@ def test_the_default_models_tokenizer_converts_as_byte_level_bpe() -> None:
     assert not spec["model"].get("byte_fallback")
 
 
-def test_a_tokenizer_llguidance_misreads_is_refused_once_with_the_cause() -> None:
+def test_a_tokenizer_llguidance_misreads_is_refused_once_with_the_cause(monkeypatch: pytest.MonkeyPatch) -> None:
     # the tokenizer transformers 5.17 made of SmolLM2's GGUF: sentencepiece byte fallback over byte-level BPE
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -188,8 +189,13 @@ def test_a_tokenizer_llguidance_misreads_is_refused_once_with_the_cause() -> Non
     misread = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
                                       eos_token=tokenizer.eos_token)
     compiler = GrammarCompiler(misread, len(tokenizer), {tokenizer.eos_token_id})
-    with pytest.raises(TokenizerMismatchError, match="transformers < 5.25"):
-        compiler.compile({"choice": ["a b"]})
+    builds = []
+    from_tokenizer = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: builds.append(1) or from_tokenizer(*a, **k))
+    for spec in ({"choice": ["a b"]}, {"regex": "[a-z]+"}):  # a later constraint: the same refusal, no rebuild
+        with pytest.raises(TokenizerMismatchError, match="transformers < 5.25"):
+            compiler.compile(spec)
+    assert len(builds) == 1
     GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id}).compile({"choice": ["a b"]})  # the right one
 
 
