@@ -2,15 +2,16 @@
 
 Contiguous SDPA is the ideal that paging costs against. Paged decode is timed on its planned
 path, as the engine runs it: the plan (checks, and the launch sizes chosen for the device,
-such as the partition length from the SM count) is made once outside the timed call, so
-neither the checks nor a device sync are measured. Both sides are timed replaying a CUDA graph,
-as the engine replays decode: at small sizes a kernel runs for less than Python takes to launch
-it, and eager timings would measure the host. For each batch x context size the
-script reports both times, their ratio, and the bandwidth each achieves reading K and V,
+such as the partitions per sequence from the SM count) is made once outside the timed call, so
+neither the checks nor a device sync are measured. ``--table-tokens`` plans as the engine's CUDA
+graphs do: from the capacity of block tables that hold that many tokens, whatever the contexts.
+Both sides are timed replaying a CUDA graph, as the engine replays decode: at small sizes a kernel
+runs for less than Python takes to launch it, and eager timings would measure the host. For each
+batch x context size the script reports both times, their ratio, and the bandwidth each achieves reading K and V,
 prints a table and writes JSON and a plot beside it. Measuring needs a CUDA GPU (it exits cleanly
 without one); re-rendering a recorded run does not.
 
-    python benchmarks/kernels.py [--dtype float16] [--out benchmarks/results/kernels.json]
+    python benchmarks/kernels.py [--dtype float16] [--table-tokens 32768] [--out benchmarks/results/kernels.json]
     python benchmarks/kernels.py --from-json RESULT.json   # the table and plot of a recorded run, no GPU
 """
 
@@ -39,7 +40,7 @@ class Row:
 
     batch: int
     context_len: int
-    partition_tokens: int  # the plan's choice for this device, batch and context
+    partitions: int  # per sequence: the plan's choice for this device, batch and context (or table capacity)
     paged_ms: float
     sdpa_ms: float
     paged_over_sdpa: float
@@ -49,7 +50,7 @@ class Row:
     max_abs_diff: float
 
 
-def parse_args() -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -59,11 +60,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+    parser.add_argument("--table-tokens", type=int, default=None,
+                        help="plan from block tables with room for this many tokens (as a CUDA graph of the "
+                             "engine does) instead of from the contexts")
     parser.add_argument("--peak-gbps", type=float, default=None, help="device peak bandwidth")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.json"))
     parser.add_argument("--from-json", type=Path, default=None,
                         help="print the table and write the plot of a recorded run (beside it) instead of measuring")
-    return parser.parse_args()
+    return parser
 
 
 def peak_bandwidth_gbps(requested: float | None) -> float | None:
@@ -102,7 +106,11 @@ def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float 
     key, value = contiguous(key_cache), contiguous(value_cache)
     sdpa_query = query[:, :, None, :]
 
-    plan = triton_ops.plan_decode(query, key_cache, value_cache, block_tables, context_lens)
+    if args.table_tokens is not None:  # spare columns up to the capacity, as a graph's static tables have
+        spare = triton.cdiv(args.table_tokens, block_size) - blocks_per_seq
+        block_tables = torch.nn.functional.pad(block_tables, (0, spare))
+    planner = triton_ops.plan_decode if args.table_tokens is None else triton_ops.plan_decode_static
+    plan = planner(query, key_cache, value_cache, block_tables, context_lens)
 
     def paged() -> torch.Tensor:
         return triton_ops.paged_attention_decode(
@@ -120,7 +128,7 @@ def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float 
     return Row(
         batch=batch,
         context_len=context_len,
-        partition_tokens=plan.partition_tokens,
+        partitions=plan.num_partitions,
         paged_ms=paged_ms,
         sdpa_ms=sdpa_ms,
         paged_over_sdpa=paged_ms / sdpa_ms,
@@ -133,12 +141,12 @@ def measure(args: argparse.Namespace, batch: int, context_len: int, peak: float 
 
 def print_table(rows: list[Row]) -> None:
     """A fixed-width table of the measurements."""
-    header = "batch  context  partition  paged_ms  sdpa_ms  paged/sdpa  paged_GB/s  sdpa_GB/s  %peak  max_diff"
+    header = "batch  context  partitions  paged_ms  sdpa_ms  paged/sdpa  paged_GB/s  sdpa_GB/s  %peak  max_diff"
     print(header)
     for r in rows:
         peak = f"{100 * r.paged_peak_fraction:5.1f}" if r.paged_peak_fraction else "    -"
         print(
-            f"{r.batch:5d}  {r.context_len:7d}  {r.partition_tokens:9d}  {r.paged_ms:8.4f}  {r.sdpa_ms:7.4f}  "
+            f"{r.batch:5d}  {r.context_len:7d}  {r.partitions:10d}  {r.paged_ms:8.4f}  {r.sdpa_ms:7.4f}  "
             f"{r.paged_over_sdpa:10.3f}  {r.paged_gbps:10.1f}  {r.sdpa_gbps:9.1f}  {peak}  "
             f"{r.max_abs_diff:8.2e}"
         )
@@ -156,6 +164,9 @@ def save_plot(rows: list[Row], device: str, timing: str, path: Path) -> None:
 def replot(recorded: Path) -> int:
     """The table and the plot of a recorded run."""
     report = json.loads(recorded.read_text())
+    for row in report["rows"]:
+        if "partition_tokens" in row:  # recorded before partitions were counted per sequence (2026-12-04)
+            row["partitions"] = -(-row["context_len"] // row.pop("partition_tokens"))
     rows = [Row(**row) for row in report["rows"]]
     print_table(rows)
     save_plot(rows, report["device"], report.get("timing", "timing not recorded"), recorded.with_suffix(".png"))
@@ -165,9 +176,15 @@ def replot(recorded: Path) -> int:
 
 def main() -> int:
     """Run the grid, print the table, write the JSON and the plot."""
-    args = parse_args()
+    parser = make_parser()
+    args = parser.parse_args()
     if args.from_json is not None:
+        if not args.from_json.is_file():
+            parser.error(f"--from-json: no recorded run at {args.from_json}")
         return replot(args.from_json)
+    for context_len in args.context_lens:
+        if args.table_tokens is not None and args.table_tokens < context_len:
+            parser.error(f"--table-tokens {args.table_tokens} cannot hold --context-lens {context_len}")
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; none found, nothing measured.")
         return 0

@@ -1,5 +1,5 @@
 """Launch choices of the attention kernels per device and shape: tile sizes, ``num_warps``,
-``num_stages`` and the decode partition length.
+``num_stages`` and the number of decode partitions.
 
 Pure functions of the shape and of ``DeviceLimits``, so they are tested without a GPU, with
 made-up devices (Triton's interpreter ignores warps and stages). Every choice is made on the
@@ -31,9 +31,11 @@ PREFILL_ROWS_INTERPRETED = (32, MIN_DOT_ROWS)
 # is what FlashAttention-2 holds in 8 warps; wider heads get fewer rows.
 MAX_ACCUMULATOR_BYTES = 128 * 128 * 4
 PIPELINED_STAGES = 2  # stages that let the next K/V tile load while the current one is used
-# Decode partitions are powers of two in this range, so the plan changes seldom as contexts
-# grow, and every tile size divides them.
-MIN_PARTITION_TOKENS = 256
+# Decode splits each context into equal partitions of whole tiles, no shorter than the minimum (one
+# tile of a 128-wide head: shorter ones would cost the merge more than they save), and enough of them
+# that none is longer than the maximum (one long context in a full batch would otherwise run alone
+# while the rest of the GPU idles). The minimum is a multiple of every tile size.
+MIN_PARTITION_TOKENS = 64
 MAX_PARTITION_TOKENS = 8192
 PROGRAMS_PER_SM = 2  # decode programs per SM that hide one another's memory latency
 
@@ -153,13 +155,19 @@ def choose_prefill_tiles(
     return PrefillTiles(rows, rows // group, tile, launch)
 
 
-def choose_partition_tokens(num_seqs: int, num_kv_heads: int, max_context_len: int, limits: DeviceLimits) -> int:
-    """Context positions per decode program: the longest power of two from
-    ``MIN_PARTITION_TOKENS`` to ``MAX_PARTITION_TOKENS`` that still gives ``PROGRAMS_PER_SM``
-    programs per SM over the batch x KV heads x partitions of the longest context, else the
-    shortest (the batch is too small to fill the device at any length)."""
+def choose_num_partitions(num_seqs: int, num_kv_heads: int, max_context_len: int, limits: DeviceLimits) -> int:
+    """Partitions per sequence (the decode grid's third axis): enough for ``PROGRAMS_PER_SM`` programs
+    per SM over the batch x KV heads, as long as the longest context keeps ``MIN_PARTITION_TOKENS`` per
+    partition, and never so few that a partition of it exceeds ``MAX_PARTITION_TOKENS``.
+
+    Each sequence splits its own context into this many parts on the device (``partition_length`` in
+    ``triton_decode``: equal shares in whole tiles, at least ``MIN_PARTITION_TOKENS``), so the count holds
+    for any lengths: under a plan made for the tables' capacity (a CUDA graph's), a short context still
+    splits into as many partitions as those bounds allow, not into partitions sized for the capacity, of
+    which it would fill one or two. Rounding to whole tiles can leave the last partitions empty (a context
+    of 34 tiles split 33 ways runs 17 programs of 2 tiles): the longest program is what a step waits for."""
     target = PROGRAMS_PER_SM * limits.sm_count
-    length = MAX_PARTITION_TOKENS
-    while length > MIN_PARTITION_TOKENS and num_seqs * num_kv_heads * -(-max_context_len // length) < target:
-        length //= 2
-    return length
+    wanted = -(-target // max(1, num_seqs * num_kv_heads))
+    most = -(-max_context_len // MIN_PARTITION_TOKENS)
+    least = -(-max_context_len // MAX_PARTITION_TOKENS)
+    return max(1, least, min(wanted, most))

@@ -1,13 +1,14 @@
 """Paged attention for decode: one new query token per sequence, flash-decoding style.
 
 Each program handles one (sequence, KV head, partition of context positions) and all query
-heads of that KV head's group at once, so GQA/MQA read every key once. The partition length is
-chosen per step from the SM count (``paged_kernels.launch.choose_partition_tokens``) and passed as a
-plain argument: launch sizes come from host values only, and no size is a compile-time constant
-that would recompile the kernels as contexts grow. ``plan_decode_static`` sizes the grid from the
-block tables' capacity instead of the step's longest context, so a CUDA graph can replay it.
-Short contexts (one partition) write the output directly; longer ones write per-partition
-partial results that a second kernel merges, so a few long sequences still fill the GPU.
+heads of that KV head's group at once, so GQA/MQA read every key once. The number of partitions
+per sequence is chosen per step from the SM count (``paged_kernels.launch.choose_num_partitions``) and
+passed as a plain argument; each program derives its partition's length from its sequence's context
+on the device (``partition_length``). Launch sizes come from host values only, no size is a
+compile-time constant that would recompile the kernels as contexts grow, and a grid planned for the
+block tables' capacity (``plan_decode_static``, which a CUDA graph replays) still splits short
+contexts across the GPU. A plan of one partition writes the output directly; otherwise each program
+writes a partial result that a second kernel merges, so a few sequences still fill the GPU.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import triton.language as tl
 from paged_kernels.checks import HostTables, check_attention_inputs, check_decode, check_decode_shapes
 from paged_kernels.launch import (
     MIN_DOT_ROWS,
+    MIN_PARTITION_TOKENS,
     LaunchConfig,
     choose_launch,
-    choose_partition_tokens,
+    choose_num_partitions,
     device_limits,
     next_power_of_2,
     tile_tokens,
@@ -31,6 +33,15 @@ from paged_kernels.launch import (
 from paged_kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
 
 REDUCE_CHUNK = 16  # partition results the merge kernel reads per loop iteration
+
+
+@triton.jit
+def partition_length(context_len, num_partitions, TILE: tl.constexpr, MIN_TOKENS: tl.constexpr):
+    """Context positions per partition of a sequence split ``num_partitions`` ways: an equal share in
+    whole tiles, at least ``MIN_TOKENS`` (a multiple of ``TILE``); the last partitions of a short
+    context may hold nothing."""
+    share = tl.cdiv(tl.cdiv(context_len, num_partitions), TILE) * TILE
+    return tl.maximum(share, MIN_TOKENS)
 
 
 @triton.jit
@@ -54,14 +65,14 @@ def _decode_partition_kernel(
     stride_kv_head,
     stride_table_seq,
     num_heads,
-    max_partitions,
-    partition_tokens,
+    num_partitions,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
+    MIN_PARTITION: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -71,10 +82,11 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     partition = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = partition * partition_tokens
+    tokens = partition_length(context_len, num_partitions, TILE, MIN_PARTITION)
+    start = partition * tokens
     if start >= context_len:
         return
-    end = tl.minimum(start + partition_tokens, context_len)
+    end = tl.minimum(start + tokens, context_len)
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -106,7 +118,7 @@ def _decode_partition_kernel(
         out_offsets = seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        slot = (seq * num_heads + heads) * max_partitions + partition
+        slot = (seq * num_heads + heads) * num_partitions + partition
         tl.store(partial_max_ptr + slot, max_score, mask=row_mask)
         tl.store(partial_sum_ptr + slot, score_sum, mask=row_mask)
         partial_offsets = slot[:, None] * HEAD_DIM_PAD + dims[None, :]
@@ -123,25 +135,27 @@ def _decode_reduce_kernel(
     stride_out_seq,
     stride_out_head,
     num_heads,
-    max_partitions,
-    partition_tokens,
+    num_partitions,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    MIN_PARTITION: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Merge one head's partition results, ``CHUNK`` at a time: rescale each to the running max
     score, sum, then normalise."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    num_partitions = tl.cdiv(tl.load(context_lens_ptr + seq), partition_tokens)
-    first_slot = (seq * num_heads + head) * max_partitions
+    context_len = tl.load(context_lens_ptr + seq)
+    used_partitions = tl.cdiv(context_len, partition_length(context_len, num_partitions, TILE, MIN_PARTITION))
+    first_slot = (seq * num_heads + head) * num_partitions
     dims = tl.arange(0, HEAD_DIM_PAD)
     max_score = float("-inf")  # fp32 scalars once carried through the loop (as SGLang's merge)
     total = 0.0
     acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for chunk_start in range(0, num_partitions, CHUNK):
+    for chunk_start in range(0, used_partitions, CHUNK):
         partitions = chunk_start + tl.arange(0, CHUNK)
-        used = partitions < num_partitions
+        used = partitions < used_partitions
         slots = first_slot + partitions
         max_scores = tl.load(partial_max_ptr + slots, mask=used, other=float("-inf"))
         # partition 0 is always used, so the running max is finite from the first chunk on
@@ -163,16 +177,11 @@ def _decode_reduce_kernel(
 class DecodePlan:
     """A checked decode launch, made from host values once and reused by every layer of a step."""
 
-    max_context_len: int  # the longest context the grid covers
-    partition_tokens: int
+    max_context_len: int  # the longest context the plan was made for
+    num_partitions: int  # per sequence: the grid's third axis
     tile_tokens: int
     group_rows: int  # query heads of one KV head, padded for tl.dot
     launch: LaunchConfig
-
-    @property
-    def num_partitions(self) -> int:
-        """Partitions of the longest context: the grid's third axis."""
-        return triton.cdiv(self.max_context_len, self.partition_tokens)
 
 
 def plan_decode(
@@ -208,7 +217,7 @@ def _plan(query: torch.Tensor, key_cache: torch.Tensor, max_context_len: int) ->
     group_rows = max(MIN_DOT_ROWS, next_power_of_2(num_heads // num_kv_heads))
     return DecodePlan(
         max_context_len,
-        choose_partition_tokens(num_seqs, num_kv_heads, max_context_len, limits),
+        choose_num_partitions(num_seqs, num_kv_heads, max_context_len, limits),
         tile,
         group_rows,
         choose_launch(group_rows, tile, head_dim_pad, element_bytes, limits.shared_memory_bytes),
@@ -251,13 +260,14 @@ def paged_attention_decode(
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        num_heads, num_partitions, plan.partition_tokens,
+        num_heads, num_partitions,
         GROUP=num_heads // num_kv_heads,
         GROUP_PAD=plan.group_rows,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         TILE=plan.tile_tokens,
+        MIN_PARTITION=MIN_PARTITION_TOKENS,
         SINGLE_PARTITION=single,
         DOT_DTYPE=dot_dtype(key_cache.dtype),
         DOT_PRECISION=dot_precision(key_cache.dtype),
@@ -267,9 +277,11 @@ def paged_attention_decode(
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_max, partial_sum, context_lens,
-            out.stride(0), out.stride(1), num_heads, num_partitions, plan.partition_tokens,
+            out.stride(0), out.stride(1), num_heads, num_partitions,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
+            TILE=plan.tile_tokens,
+            MIN_PARTITION=MIN_PARTITION_TOKENS,
             CHUNK=REDUCE_CHUNK,
         )
     return out

@@ -302,8 +302,9 @@ for T, H, KV, D in ((2048, 32, 8, 128), (512, 9, 3, 64)):
     tflops = 2 * 2 * T * T * H * D / 2 / ours / 1e9
     put(f"prefill_T{T}_H{H}_D{D}", {"ms": round(ours, 4), "sdpa_ms": sdpa, "TFLOPs": round(tflops, 1)})
 # Decode launch sweep under CUDA graph replay (as the engine runs decode; no host launch cost): the plan's own
-# choice against partition x tile x warps x stages, and contiguous SDPA, Llama-8B heads, bf16.
-H, KV, D = 32, 8, 128
+# choice against partitions per sequence x warps x stages at the plan's tile, and contiguous SDPA, Llama-8B heads,
+# bf16. "static" is the plan a CUDA graph of the engine holds: made from tables with room for 32k tokens.
+H, KV, D, CAPACITY = 32, 8, 128, 32768
 bad_sweeps = 0
 for name, (B, L) in {"b1_l1024": (1, 1024), "b1_l8192": (1, 8192), "b8_l2048": (8, 2048),
                      "b32_l1024": (32, 1024), "b32_l8192": (32, 8192)}.items():
@@ -314,27 +315,32 @@ for name, (B, L) in {"b1_l1024": (1, 1024), "b1_l8192": (1, 8192), "b8_l2048": (
     kc, vc = (c[bt.long()].flatten(1, 2).permute(0, 2, 1, 3).contiguous() for c in (k, v))
     sdpa = tt.do_bench_cudagraph(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=0.1, enable_gqa=True))
     base = triton_ops.plan_decode(q, k, v, bt, cl)
+    wide = F.pad(bt, (0, CAPACITY // 16 - bt.shape[1]))
+    static = triton_ops.plan_decode_static(q, k, v, wide, cl)
     expected = reference.paged_attention_decode(q, k, v, bt, cl, 0.1).float()
     tolerance = 2e-2 * expected.abs().max().item()  # bf16 rounding, relative to the outputs' size
     timed, wrong = [], []
-    for part in (256, 512, 1024, 2048):
-        for tile in (32, 64):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    if part > max(256, L):
-                        continue
-                    plan = dataclasses.replace(base, partition_tokens=part, tile_tokens=tile, launch=LaunchConfig(warps, stages))
-                    got = triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan).float()
-                    if (got - expected).abs().max().item() > tolerance:
-                        wrong.append((part, tile, warps, stages))
-                    ms = tt.do_bench_cudagraph(lambda plan=plan: triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan))
-                    timed.append((round(ms, 4), part, tile, warps, stages))
+    for parts in (1, 2, 4, 8, 16, 32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3):
+                if parts > -(-L // 64):
+                    continue
+                plan = dataclasses.replace(base, num_partitions=parts, launch=LaunchConfig(warps, stages))
+                got = triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan).float()
+                if (got - expected).abs().max().item() > tolerance:
+                    wrong.append((parts, warps, stages))
+                ms = tt.do_bench_cudagraph(lambda plan=plan: triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan))
+                timed.append((round(ms, 4), parts, warps, stages))
     own = tt.do_bench_cudagraph(lambda: triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=base))
+    if (triton_ops.paged_attention_decode(q, k, v, wide, cl, 0.1, plan=static).float() - expected).abs().max().item() > tolerance:
+        wrong.append(("static", static.num_partitions))
+    own_static = tt.do_bench_cudagraph(lambda: triton_ops.paged_attention_decode(q, k, v, wide, cl, 0.1, plan=static))
     timed.sort()
-    best = min(timed[0][0], own)  # the plan may pick a length outside the sweep's
-    put(f"sweep_{name}", {"sdpa_ms": round(sdpa, 4), "plan": [round(own, 4), base.partition_tokens, base.tile_tokens, base.launch.num_warps, base.launch.num_stages],
+    best = min(timed[0][0], own)
+    put(f"sweep_{name}", {"sdpa_ms": round(sdpa, 4), "plan": [round(own, 4), base.num_partitions, base.tile_tokens, base.launch.num_warps, base.launch.num_stages],
                           "plan_over_sdpa": round(own / sdpa, 3), "best_over_sdpa": round(best / sdpa, 3),
-                          "best5_ms_part_tile_warps_stages": timed[:5], "worst": timed[-1]})
+                          "static_plan": [round(own_static, 4), static.num_partitions], "static_over_sdpa": round(own_static / sdpa, 3),
+                          "best5_ms_parts_warps_stages": timed[:5], "worst": timed[-1]})
     if wrong:
         put(f"sweep_{name}_wrong_outputs", wrong)
         bad_sweeps += 1
@@ -378,8 +384,9 @@ PT="-q -rfE -p no:cacheprovider"; "$PY" -c 'import pytest_timeout' 2>/dev/null &
 step kernels 150 "$PY" -m pytest tests/kernels -m gpu $PT --maxfail 10 $XDIST --junitxml "$W/junit-kernels.xml"
 step e2e 180 "$PY" "$W/e2e.py" cuda
 step hostprof 45 "$PY" "$W/hostprof.py"
-step bench 150 bash -c "rc=0; $PY $W/micro.py || rc=1
-  $PY benchmarks/kernels.py --batches 1 32 --context-lens 1024 8192 --dtype bfloat16 --out $OUT/kernels.json || rc=1; exit \$rc"
+step bench 180 bash -c "rc=0; $PY $W/micro.py || rc=1
+  $PY benchmarks/kernels.py --batches 1 32 --context-lens 1024 8192 --dtype bfloat16 --out $OUT/kernels.json || rc=1
+  $PY benchmarks/kernels.py --batches 1 32 --context-lens 1024 8192 --dtype bfloat16 --table-tokens 32768 --out $OUT/kernels-static.json || rc=1; exit \$rc"
 XDIST4=""; [ -n "$XDIST" ] && XDIST4="-n 4"
 # device "auto" = CUDA here: the whole engine suite (tiny Llama + the SmolLM2 cut) runs on the GPU
 # (int8 quantization runs on the CPU only, and its test reads the service's settings: pydantic, celery)

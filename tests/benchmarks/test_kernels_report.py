@@ -32,3 +32,15 @@ def test_without_a_gpu_it_measures_nothing_and_says_so(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "k.json")],
                             capture_output=True, text=True, check=True)
     assert "needs a CUDA GPU" in result.stdout and not (tmp_path / "k.json").exists()
+
+
+def test_a_missing_recorded_run_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--from-json", str(tmp_path / "none.json")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--from-json" in result.stderr and "none.json" in result.stderr
+
+
+def test_tables_too_small_for_a_context_are_refused_naming_both_flags(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--table-tokens", "1000", "--context-lens", "1024"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--table-tokens" in result.stderr and "--context-lens" in result.stderr

@@ -13,16 +13,16 @@ from paged_kernels.triton_decode import REDUCE_CHUNK
 SCALE = 0.125
 
 
-def run_both(triton_ops, case, dtype: torch.dtype = torch.float32, partition_tokens: int | None = None):
-    """Decode one random query per sequence with both backends; the Triton one split into
-    partitions of ``partition_tokens`` when given (else as planned for the device)."""
+def run_both(triton_ops, case, dtype: torch.dtype = torch.float32, num_partitions: int | None = None):
+    """Decode one random query per sequence with both backends; the Triton one splitting each context
+    ``num_partitions`` ways when given (else as planned for the device)."""
     head_dim = case.key_cache.shape[3]
     query = torch.randn(len(case.context_lens), case.num_heads, head_dim)
     query = query.to(device=case.key_cache.device, dtype=dtype)
     tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
     plan = triton_ops.plan_decode(*tensors)
-    if partition_tokens is not None:
-        plan = replace(plan, partition_tokens=partition_tokens)
+    if num_partitions is not None:
+        plan = replace(plan, num_partitions=num_partitions)
     return (
         triton_ops.paged_attention_decode(*tensors, SCALE, plan=plan),
         reference.paged_attention_decode(*tensors, SCALE),
@@ -62,15 +62,25 @@ def test_decode_matches_reference_for_block_sizes(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_merges_partitions_of_long_contexts(triton_ops, make_case, assert_matches, device, dtype):
-    # 64-token partitions: contexts of 1 to 4 partitions, ending on and off partition edges.
+    # Split 4 ways in whole 64-token tiles: contexts of 1, 2 and 4 partitions, ending on and off their edges.
     case = make_case([1, 64, 65, 200], block_size=8, dtype=dtype, device=device)
-    assert_matches(*run_both(triton_ops, case, dtype, partition_tokens=64))
+    assert_matches(*run_both(triton_ops, case, dtype, num_partitions=4))
+
+
+@pytest.mark.parametrize(("head_dim", "num_partitions"), [(64, 2), (64, 3), (256, 3)])
+def test_decode_merges_partitions_of_several_tiles_each(
+    triton_ops, make_case, assert_matches, device, head_dim, num_partitions
+):
+    # Shares longer than the 64-token minimum, in whole tiles (64 tokens at head_dim 64, 16 at 256 in fp32):
+    # 600 tokens split 2 ways is 320 + 280, 3 ways 256 + 256 + 88 (tiles of 64) or 208 + 208 + 184 (tiles of 16).
+    case = make_case([600, 70], head_dim=head_dim, device=device)
+    assert_matches(*run_both(triton_ops, case, num_partitions=num_partitions))
 
 
 def test_decode_merges_more_partitions_than_one_merge_step_reads(triton_ops, make_case, assert_matches, device):
-    # 64-token partitions: the longest context has more than REDUCE_CHUNK of them.
+    # The longest context splits into more than REDUCE_CHUNK partitions of 64 tokens; the shorter into one.
     case = make_case([33, 64 * REDUCE_CHUNK + 45], num_heads=8, num_kv_heads=2, device=device)
-    assert_matches(*run_both(triton_ops, case, partition_tokens=64))
+    assert_matches(*run_both(triton_ops, case, num_partitions=REDUCE_CHUNK + 1))
 
 
 def test_decode_reads_a_block_table_padded_with_garbage(
@@ -94,13 +104,13 @@ def test_a_static_plan_is_sized_by_the_tables_capacity_and_holds_as_lengths_chan
     triton_ops, make_case, assert_matches, device
 ):
     # what a CUDA graph bakes in: one plan, then new lengths written into the same tensors
-    case = make_case([1, 9, 30], block_size=8, device=device)  # tables of 4 + 3 spare columns: 56 tokens
+    case = make_case([64, 130, 200], device=device)  # tables of 13 + 3 spare columns: 256 tokens
     query = torch.randn(3, case.num_heads, 64, device=device)
     tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
     plan = triton_ops.plan_decode_static(*tensors)
-    assert plan.max_context_len == case.block_tables.shape[1] * 8
-    plan = replace(plan, partition_tokens=16)  # 4 partitions: the merge runs
-    for lens in ([1, 9, 30], [8, 2, 25], [3, 16, 32]):
+    assert plan.max_context_len == case.block_tables.shape[1] * 16
+    plan = replace(plan, num_partitions=4)  # each context split up to 4 ways: the merge runs
+    for lens in ([64, 130, 200], [1, 65, 190], [40, 128, 129]):
         case.context_lens.copy_(torch.tensor(lens))
         assert triton_ops.plan_decode_static(*tensors).max_context_len == plan.max_context_len
         assert_matches(triton_ops.paged_attention_decode(*tensors, SCALE, plan=plan),

@@ -18,7 +18,7 @@ from paged_kernels.launch import (
     TYPICAL_SHARED_MEMORY_BYTES,
     DeviceLimits,
     choose_launch,
-    choose_partition_tokens,
+    choose_num_partitions,
     choose_prefill_tiles,
     device_limits,
     fixed_bytes,
@@ -125,44 +125,55 @@ def test_a_group_wider_than_every_tile_gets_one_token_per_program():
 
 # ---------------------------------------------------------------- decode partitions
 
-def num_programs(num_seqs: int, num_kv_heads: int, context_len: int, partition_tokens: int) -> int:
-    """Programs of the decode grid: batch x KV heads x partitions of the longest context."""
-    return num_seqs * num_kv_heads * -(-context_len // partition_tokens)
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @pytest.mark.parametrize("limits", DEVICES)
 @pytest.mark.parametrize(("num_seqs", "num_kv_heads"), [(1, 1), (1, 8), (8, 8), (64, 8), (256, 2)])
 @pytest.mark.parametrize("context_len", [1, 300, 1024, 16384, 131072])
 def test_partitions_fill_the_sms_unless_already_at_the_shortest(limits, num_seqs, num_kv_heads, context_len):
-    length = choose_partition_tokens(num_seqs, num_kv_heads, context_len, limits)
-    assert MIN_PARTITION_TOKENS <= length <= MAX_PARTITION_TOKENS and length & (length - 1) == 0
-    programs = num_programs(num_seqs, num_kv_heads, context_len, length)
-    assert programs >= PROGRAMS_PER_SM * limits.sm_count or length == MIN_PARTITION_TOKENS
-    # and no longer split than needed: twice the length would leave SMs idle
-    if length < MAX_PARTITION_TOKENS:
-        assert num_programs(num_seqs, num_kv_heads, context_len, 2 * length) < PROGRAMS_PER_SM * limits.sm_count
+    partitions = choose_num_partitions(num_seqs, num_kv_heads, context_len, limits)
+    target = PROGRAMS_PER_SM * limits.sm_count
+    assert partitions >= 1
+    assert cdiv(context_len, partitions) <= MAX_PARTITION_TOKENS  # no partition of the longest runs alone
+    # enough programs for the SMs, unless the longest context's partitions are at the minimum already
+    at_shortest = partitions >= cdiv(context_len, MIN_PARTITION_TOKENS)
+    assert num_seqs * num_kv_heads * partitions >= target or at_shortest
+    # and no more than needed: one fewer would leave SMs idle or a partition over the maximum
+    if partitions > 1:
+        fewer = partitions - 1
+        assert num_seqs * num_kv_heads * fewer < target or cdiv(context_len, fewer) > MAX_PARTITION_TOKENS
 
 
 @pytest.mark.parametrize(("num_seqs", "context_len"), [(1, 16384), (4, 4096), (16, 2048)])
-def test_more_sms_get_shorter_partitions(num_seqs, context_len):
-    lengths = [choose_partition_tokens(num_seqs, 8, context_len, limits) for limits in (SMALL, A100, H100)]
-    assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+def test_more_sms_get_more_partitions(num_seqs, context_len):
+    counts = [choose_num_partitions(num_seqs, 8, context_len, limits) for limits in (SMALL, A100, H100)]
+    assert counts == sorted(counts) and counts[0] < counts[-1]
 
 
 def test_one_long_sequence_on_an_h100_is_split_across_the_sms():
-    # 8 KV heads x 64 partitions of 256 = 512 programs for 132 SMs
-    assert choose_partition_tokens(1, 8, 16384, H100) == 256
+    # 8 KV heads x 33 partitions = 264 programs, two per SM
+    assert choose_num_partitions(1, 8, 16384, H100) == 33
+
+
+def test_a_short_context_is_split_no_finer_than_the_shortest_partition():
+    assert choose_num_partitions(1, 8, 1024, H100) == 1024 // MIN_PARTITION_TOKENS
 
 
 def test_a_batch_that_fills_the_sms_alone_runs_one_partition():
-    assert choose_partition_tokens(64, 8, 4096, H100) == MAX_PARTITION_TOKENS
+    assert choose_num_partitions(64, 8, 4096, H100) == 1
+
+
+def test_a_long_context_in_a_full_batch_is_still_split():
+    assert choose_num_partitions(64, 8, 4 * MAX_PARTITION_TOKENS, H100) == 4
 
 
 def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
-    # A constexpr partition length or count would recompile the kernels as contexts grow.
+    # A constexpr partition count would recompile the kernels as contexts grow.
     from paged_kernels import triton_decode
 
     for kernel in (triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel):
         params = inspect.signature(kernel.fn).parameters
-        for name in ("partition_tokens", "max_partitions"):
+        for name in ("num_partitions",):
             assert "constexpr" not in str(params[name].annotation), (kernel.fn.__name__, name)
