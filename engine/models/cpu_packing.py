@@ -51,7 +51,12 @@ class Fp16Linear(nn.Module):
             weight.detach().float(), None if bias is None else bias.detach().float())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(hidden, self.packed_weight)
+        # torch's Python binding looks up ``__torch_function__`` on every argument; on the packed weight (a
+        # ScriptObject) the failed lookup throws a C++ exception that becomes an AttributeError: 25-30 us a call,
+        # 121 calls in a SmolLM2 step, whatever its rows. With subclasses' torch functions off, the binding skips
+        # the lookup (no tensor subclass reaches this layer: its weight is fbgemm's, its input the model's own).
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.ops.quantized.linear_dynamic_fp16(hidden, self.packed_weight)
 
 
 class RowSplitHead(nn.Module):
