@@ -1,0 +1,147 @@
+"""The engine's decode step of a git revision against the working tree's, each in its own process, in turn.
+
+The revision is checked out into a temporary git worktree and put first on the child process's ``PYTHONPATH``,
+so that its ``engine`` package is the one imported; the working tree's child imports its own. Each child builds
+the engine once (the model, dtype and weight packing of ``LLM``'s defaults unless flags say otherwise), then for
+each batch size adds that many greedy requests of ``--tokens`` tokens (EOS ignored), runs the prefill step
+untimed and times the decode steps after it: ms per step, the fastest of ``--repeats``. The two sides alternate
+for ``--rounds`` rounds (these hosts drift by a quarter within minutes, so each side's fastest round is compared).
+Writes JSON (every round, the machine), a table and a plot of working tree ÷ revision per batch size.
+
+    .venv/bin/python -m benchmarks.step_revisions --base HEAD~1 --batches 1 8 32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Request {}: write a short story about a lighthouse keeper who finds a message in a bottle."
+# A child loads this file by its path, with the measured tree first on sys.path (its working directory): run as a
+# script, this file's folder would come first instead, and benchmarks/kernels.py would shadow the ``kernels``
+# package that transformers imports.
+CHILD_BOOT = ("import importlib.util, sys; "
+              "spec = importlib.util.spec_from_file_location('step_revisions', sys.argv[1]); "
+              "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+              "module.main(['--child', *sys.argv[2:]])")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The revision, the grid and the output."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision whose engine is the baseline")
+    parser.add_argument("--model", default=None, help="model name or folder (LLM's default when not given)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="sequences per decode step")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations per batch size and child")
+    parser.add_argument("--rounds", type=int, default=3, help="children per side, alternating")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="step-revisions")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.batches) < 1:
+        parser.error("--batches must be >= 1")
+    for name in ("repeats", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.tokens < 2:
+        parser.error("--tokens must be >= 2 (one prefill step, then decode steps to time)")
+    return args
+
+
+def decode_ms_per_step(llm: Any, batch: int, tokens: int) -> float:
+    """Milliseconds per decode step of ``batch`` greedy sequences, after their untimed prefill step."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"bench-{batch}-{time.monotonic_ns()}-{i}", PROMPT.format(i), params)
+    while engine.scheduler.waiting:  # prefill (chunked over several steps if the batch's prompts need it)
+        engine.step()
+    steps, started = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return 1000 * (time.perf_counter() - started) / max(1, steps)
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """Measure this process's ``engine`` and print one JSON line: where it was imported from, ms per step."""
+    import engine
+    from engine import LLM
+
+    llm = LLM(**({"model": args.model} if args.model else {}), max_num_seqs=max(args.batches))
+    decode_ms_per_step(llm, 1, 8)  # warm-up: first calls pay for allocator and kernel start-up
+    steps = {batch: min(decode_ms_per_step(llm, batch, args.tokens) for _ in range(args.repeats))
+             for batch in args.batches}
+    print(json.dumps({"engine": str(Path(engine.__file__).resolve().parent), "ms_per_step": steps}))
+
+
+def child_result(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Run a child whose ``engine`` comes from ``root``; its JSON line, checked to have imported from there."""
+    command = [sys.executable, "-c", CHILD_BOOT, str(Path(__file__).resolve()), "--batches", *map(str, args.batches),
+               "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    if args.model:
+        command += ["--model", args.model]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the child measuring {root} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if Path(result["engine"]) != root / "engine":
+        raise SystemExit(f"the child meant to measure {root} imported engine from {result['engine']}")
+    return {batch: float(ms) for batch, ms in result["ms_per_step"].items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Check out the revision, alternate the children, print the table, write JSON and the plot."""
+    args = parse_args(argv)
+    if args.child:
+        run_child(args)
+        return
+    from tqdm.auto import tqdm
+
+    from benchmarks.common import machine, print_table, save_bar_chart, write_json
+    from benchmarks.kernel_revisions import resolve_revision
+
+    base = resolve_revision(args.base)
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="step-revisions-") as scratch:
+        worktree = Path(scratch) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(worktree), base], cwd=REPO_ROOT,
+                       check=True)
+        try:
+            sides = {"base": worktree, "head": REPO_ROOT}
+            with tqdm(total=2 * args.rounds, desc="children", unit="run") as progress:
+                for index in range(args.rounds):
+                    order = ["head", "base"] if index % 2 == 0 else ["base", "head"]  # neither always first
+                    for side in order:
+                        rounds.append({"round": index, "side": side, "ms_per_step": child_result(args, sides[side])})
+                        progress.update()
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO_ROOT, check=False)
+    results = []
+    for batch in map(str, args.batches):
+        fastest = {side: min(r["ms_per_step"][batch] for r in rounds if r["side"] == side) for side in ("base", "head")}
+        results.append({"batch": int(batch), "base_ms": fastest["base"], "head_ms": fastest["head"],
+                        "head_over_base": fastest["head"] / fastest["base"]})
+    print_table(f"decode step, working tree vs {args.base} ({base[:12]}), fastest of {args.rounds} rounds", results,
+                ["batch", "base_ms", "head_ms", "head_over_base"])
+    write_json(args.name, {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "child"},
+                           "base_commit": base, "rounds": rounds, "results": results}, args.out)
+    save_bar_chart([f"batch {r['batch']}" for r in results], [r["head_over_base"] for r in results],
+                   "decode step time: working tree ÷ base", f"Decode step vs {args.base} ({base[:12]})",
+                   args.out / f"{args.name}.png", reference=1.0)
+
+
+if __name__ == "__main__":
+    main()
