@@ -34,7 +34,7 @@ PIPELINED_STAGES = 2  # stages that let the next K/V tile load while the current
 # Decode splits each context into equal partitions of whole tiles, no shorter than the minimum (one
 # tile of a 128-wide head: shorter ones would cost the merge more than they save), and enough of them
 # that none is longer than the maximum (one long context in a full batch would otherwise run alone
-# while the rest of the GPU idles). The minimum is a multiple of every tile size.
+# while the rest of the GPU idles). Both are multiples of every tile size.
 MIN_PARTITION_TOKENS = 64
 MAX_PARTITION_TOKENS = 8192
 PROGRAMS_PER_SM = 2  # decode programs per SM that hide one another's memory latency
@@ -155,19 +155,29 @@ def choose_prefill_tiles(
     return PrefillTiles(rows, rows // group, tile, launch)
 
 
-def choose_num_partitions(num_seqs: int, num_kv_heads: int, max_context_len: int, limits: DeviceLimits) -> int:
-    """Partitions per sequence (the decode grid's third axis): enough for ``PROGRAMS_PER_SM`` programs
-    per SM over the batch x KV heads, as long as the longest context keeps ``MIN_PARTITION_TOKENS`` per
-    partition, and never so few that a partition of it exceeds ``MAX_PARTITION_TOKENS``.
+@dataclass(frozen=True, slots=True)
+class DecodeSplit:
+    """How decode splits each sequence's context: ``fill`` partitions give the SMs enough programs, and a
+    context longer than ``fill`` x ``MAX_PARTITION_TOKENS`` takes more, up to ``partitions``, the grid's
+    third axis, which covers the longest context the plan is made for."""
 
-    Each sequence splits its own context into this many parts on the device (``partition_length`` in
-    ``triton_decode``: equal shares in whole tiles, at least ``MIN_PARTITION_TOKENS``), so the count holds
-    for any lengths: under a plan made for the tables' capacity (a CUDA graph's), a short context still
-    splits into as many partitions as those bounds allow, not into partitions sized for the capacity, of
-    which it would fill one or two. Rounding to whole tiles can leave the last partitions empty (a context
-    of 34 tiles split 33 ways runs 17 programs of 2 tiles): the longest program is what a step waits for."""
+    partitions: int
+    fill: int
+
+
+def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int, limits: DeviceLimits) -> DecodeSplit:
+    """``fill``: enough partitions for ``PROGRAMS_PER_SM`` programs per SM over the batch x KV heads, as long as
+    the longest context keeps ``MIN_PARTITION_TOKENS`` per partition; ``partitions``: that, or as many as keep
+    every partition of the longest context within ``MAX_PARTITION_TOKENS``, if more.
+
+    Each sequence splits its own context on the device (``partition_length`` in ``triton_decode``): into
+    ``fill`` parts, fewer where a part would be shorter than the minimum, more where it would be longer than
+    the maximum; each part an equal share in whole tiles. So a plan made for the tables' capacity (a CUDA
+    graph's) splits a short context as a plan made for it would, instead of into partitions sized for the
+    capacity, of which it would fill one or two, and a long context in a full batch still splits. Rounding
+    to whole tiles can leave the last partitions empty (34 tiles split 33 ways run 17 programs of 2 tiles):
+    the longest program is what a step waits for."""
     target = PROGRAMS_PER_SM * limits.sm_count
     wanted = -(-target // max(1, num_seqs * num_kv_heads))
-    most = -(-max_context_len // MIN_PARTITION_TOKENS)
-    least = -(-max_context_len // MAX_PARTITION_TOKENS)
-    return max(1, least, min(wanted, most))
+    fill = max(1, min(wanted, -(-max_context_len // MIN_PARTITION_TOKENS)))
+    return DecodeSplit(max(fill, -(-max_context_len // MAX_PARTITION_TOKENS)), fill)

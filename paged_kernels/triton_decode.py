@@ -2,8 +2,8 @@
 
 Each program handles one (sequence, KV head, partition of context positions) and all query
 heads of that KV head's group at once, so GQA/MQA read every key once. The number of partitions
-per sequence is chosen per step from the SM count (``paged_kernels.launch.choose_num_partitions``) and
-passed as a plain argument; each program derives its partition's length from its sequence's context
+per sequence is chosen per step from the SM count (``paged_kernels.launch.choose_decode_split``) and
+passed as plain arguments; each program derives its partition's length from its sequence's context
 on the device (``partition_length``). Launch sizes come from host values only, no size is a
 compile-time constant that would recompile the kernels as contexts grow, and a grid planned for the
 block tables' capacity (``plan_decode_static``, which a CUDA graph replays) still splits short
@@ -21,11 +21,12 @@ import triton.language as tl
 
 from paged_kernels.checks import HostTables, check_attention_inputs, check_decode, check_decode_shapes
 from paged_kernels.launch import (
+    MAX_PARTITION_TOKENS,
     MIN_DOT_ROWS,
     MIN_PARTITION_TOKENS,
     LaunchConfig,
+    choose_decode_split,
     choose_launch,
-    choose_num_partitions,
     device_limits,
     next_power_of_2,
     tile_tokens,
@@ -36,11 +37,12 @@ REDUCE_CHUNK = 16  # partition results the merge kernel reads per loop iteration
 
 
 @triton.jit
-def partition_length(context_len, num_partitions, TILE: tl.constexpr, MIN_TOKENS: tl.constexpr):
-    """Context positions per partition of a sequence split ``num_partitions`` ways: an equal share in
-    whole tiles, at least ``MIN_TOKENS`` (a multiple of ``TILE``); the last partitions of a short
-    context may hold nothing."""
-    share = tl.cdiv(tl.cdiv(context_len, num_partitions), TILE) * TILE
+def partition_length(context_len, fill_partitions, max_tokens, TILE: tl.constexpr, MIN_TOKENS: tl.constexpr):
+    """Context positions per partition of a sequence: split ``fill_partitions`` ways, fewer where a part would
+    be shorter than ``MIN_TOKENS``, more where it would be longer than ``max_tokens`` (both multiples of
+    ``TILE``); an equal share in whole tiles, at least ``MIN_TOKENS``. The last partitions may hold nothing."""
+    parts = tl.maximum(tl.cdiv(context_len, max_tokens), tl.minimum(fill_partitions, tl.cdiv(context_len, MIN_TOKENS)))
+    share = tl.cdiv(tl.cdiv(context_len, parts), TILE) * TILE
     return tl.maximum(share, MIN_TOKENS)
 
 
@@ -66,6 +68,8 @@ def _decode_partition_kernel(
     stride_table_seq,
     num_heads,
     num_partitions,
+    fill_partitions,
+    max_partition_tokens,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -82,7 +86,7 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     partition = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    tokens = partition_length(context_len, num_partitions, TILE, MIN_PARTITION)
+    tokens = partition_length(context_len, fill_partitions, max_partition_tokens, TILE, MIN_PARTITION)
     start = partition * tokens
     if start >= context_len:
         return
@@ -136,6 +140,8 @@ def _decode_reduce_kernel(
     stride_out_head,
     num_heads,
     num_partitions,
+    fill_partitions,
+    max_partition_tokens,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     TILE: tl.constexpr,
@@ -147,7 +153,8 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     context_len = tl.load(context_lens_ptr + seq)
-    used_partitions = tl.cdiv(context_len, partition_length(context_len, num_partitions, TILE, MIN_PARTITION))
+    tokens = partition_length(context_len, fill_partitions, max_partition_tokens, TILE, MIN_PARTITION)
+    used_partitions = tl.cdiv(context_len, tokens)
     first_slot = (seq * num_heads + head) * num_partitions
     dims = tl.arange(0, HEAD_DIM_PAD)
     max_score = float("-inf")  # fp32 scalars once carried through the loop (as SGLang's merge)
@@ -178,7 +185,9 @@ class DecodePlan:
     """A checked decode launch, made from host values once and reused by every layer of a step."""
 
     max_context_len: int  # the longest context the plan was made for
-    num_partitions: int  # per sequence: the grid's third axis
+    num_partitions: int  # per sequence at most: the grid's third axis
+    fill_partitions: int  # per sequence where its context allows (see launch.DecodeSplit)
+    max_partition_tokens: int
     tile_tokens: int
     group_rows: int  # query heads of one KV head, padded for tl.dot
     launch: LaunchConfig
@@ -215,9 +224,12 @@ def _plan(query: torch.Tensor, key_cache: torch.Tensor, max_context_len: int) ->
     head_dim_pad, element_bytes = next_power_of_2(head_dim), key_cache.element_size()
     tile = tile_tokens(head_dim_pad, element_bytes)
     group_rows = max(MIN_DOT_ROWS, next_power_of_2(num_heads // num_kv_heads))
+    split = choose_decode_split(num_seqs, num_kv_heads, max_context_len, limits)
     return DecodePlan(
         max_context_len,
-        choose_num_partitions(num_seqs, num_kv_heads, max_context_len, limits),
+        split.partitions,
+        split.fill,
+        MAX_PARTITION_TOKENS,
         tile,
         group_rows,
         choose_launch(group_rows, tile, head_dim_pad, element_bytes, limits.shared_memory_bytes),
@@ -260,7 +272,7 @@ def paged_attention_decode(
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        num_heads, num_partitions,
+        num_heads, num_partitions, plan.fill_partitions, plan.max_partition_tokens,
         GROUP=num_heads // num_kv_heads,
         GROUP_PAD=plan.group_rows,
         HEAD_DIM=head_dim,
@@ -277,7 +289,8 @@ def paged_attention_decode(
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_max, partial_sum, context_lens,
-            out.stride(0), out.stride(1), num_heads, num_partitions,
+            out.stride(0), out.stride(1), num_heads, num_partitions, plan.fill_partitions,
+            plan.max_partition_tokens,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             TILE=plan.tile_tokens,

@@ -325,7 +325,7 @@ for name, (B, L) in {"b1_l1024": (1, 1024), "b1_l8192": (1, 8192), "b8_l2048": (
             for stages in (2, 3):
                 if parts > -(-L // 64):
                     continue
-                plan = dataclasses.replace(base, num_partitions=parts, launch=LaunchConfig(warps, stages))
+                plan = dataclasses.replace(base, num_partitions=parts, fill_partitions=parts, launch=LaunchConfig(warps, stages))
                 got = triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan).float()
                 if (got - expected).abs().max().item() > tolerance:
                     wrong.append((parts, warps, stages))
@@ -339,7 +339,7 @@ for name, (B, L) in {"b1_l1024": (1, 1024), "b1_l8192": (1, 8192), "b8_l2048": (
     best = min(timed[0][0], own)
     put(f"sweep_{name}", {"sdpa_ms": round(sdpa, 4), "plan": [round(own, 4), base.num_partitions, base.tile_tokens, base.launch.num_warps, base.launch.num_stages],
                           "plan_over_sdpa": round(own / sdpa, 3), "best_over_sdpa": round(best / sdpa, 3),
-                          "static_plan": [round(own_static, 4), static.num_partitions], "static_over_sdpa": round(own_static / sdpa, 3),
+                          "static_plan": [round(own_static, 4), static.num_partitions, static.fill_partitions], "static_over_sdpa": round(own_static / sdpa, 3),
                           "best5_ms_parts_warps_stages": timed[:5], "worst": timed[-1]})
     if wrong:
         put(f"sweep_{name}_wrong_outputs", wrong)

@@ -13,16 +13,18 @@ from paged_kernels.triton_decode import REDUCE_CHUNK
 SCALE = 0.125
 
 
-def run_both(triton_ops, case, dtype: torch.dtype = torch.float32, num_partitions: int | None = None):
+def run_both(triton_ops, case, dtype: torch.dtype = torch.float32, num_partitions: int | None = None,
+             **plan_fields: int):
     """Decode one random query per sequence with both backends; the Triton one splitting each context
-    ``num_partitions`` ways when given (else as planned for the device)."""
+    ``num_partitions`` ways when given (else as planned for the device), with other plan fields replaced."""
     head_dim = case.key_cache.shape[3]
     query = torch.randn(len(case.context_lens), case.num_heads, head_dim)
     query = query.to(device=case.key_cache.device, dtype=dtype)
     tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
     plan = triton_ops.plan_decode(*tensors)
     if num_partitions is not None:
-        plan = replace(plan, num_partitions=num_partitions)
+        plan = replace(plan, num_partitions=num_partitions, fill_partitions=num_partitions)
+    plan = replace(plan, **plan_fields)
     return (
         triton_ops.paged_attention_decode(*tensors, SCALE, plan=plan),
         reference.paged_attention_decode(*tensors, SCALE),
@@ -77,6 +79,15 @@ def test_decode_merges_partitions_of_several_tiles_each(
     assert_matches(*run_both(triton_ops, case, num_partitions=num_partitions))
 
 
+def test_a_context_longer_than_the_longest_partition_is_split_beyond_the_fill(
+    triton_ops, make_case, assert_matches, device
+):
+    # a grid of 4 partitions, filled 1 way, partitions of at most 128 tokens: 100 tokens take one partition,
+    # 300 take three (128 + 128 + 44), 500 take four; the merge must read as many as were written
+    case = make_case([100, 300, 500], device=device)
+    assert_matches(*run_both(triton_ops, case, num_partitions=4, fill_partitions=1, max_partition_tokens=128))
+
+
 def test_decode_merges_more_partitions_than_one_merge_step_reads(triton_ops, make_case, assert_matches, device):
     # The longest context splits into more than REDUCE_CHUNK partitions of 64 tokens; the shorter into one.
     case = make_case([33, 64 * REDUCE_CHUNK + 45], num_heads=8, num_kv_heads=2, device=device)
@@ -109,7 +120,7 @@ def test_a_static_plan_is_sized_by_the_tables_capacity_and_holds_as_lengths_chan
     tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
     plan = triton_ops.plan_decode_static(*tensors)
     assert plan.max_context_len == case.block_tables.shape[1] * 16
-    plan = replace(plan, num_partitions=4)  # each context split up to 4 ways: the merge runs
+    plan = replace(plan, num_partitions=4, fill_partitions=4)  # each context split up to 4 ways: the merge runs
     for lens in ([64, 130, 200], [1, 65, 190], [40, 128, 129]):
         case.context_lens.copy_(torch.tensor(lens))
         assert triton_ops.plan_decode_static(*tensors).max_context_len == plan.max_context_len

@@ -16,9 +16,10 @@ from paged_kernels.launch import (
     MIN_PARTITION_TOKENS,
     PROGRAMS_PER_SM,
     TYPICAL_SHARED_MEMORY_BYTES,
+    DecodeSplit,
     DeviceLimits,
+    choose_decode_split,
     choose_launch,
-    choose_num_partitions,
     choose_prefill_tiles,
     device_limits,
     fixed_bytes,
@@ -133,40 +134,40 @@ def cdiv(a: int, b: int) -> int:
 @pytest.mark.parametrize(("num_seqs", "num_kv_heads"), [(1, 1), (1, 8), (8, 8), (64, 8), (256, 2)])
 @pytest.mark.parametrize("context_len", [1, 300, 1024, 16384, 131072])
 def test_partitions_fill_the_sms_unless_already_at_the_shortest(limits, num_seqs, num_kv_heads, context_len):
-    partitions = choose_num_partitions(num_seqs, num_kv_heads, context_len, limits)
+    split = choose_decode_split(num_seqs, num_kv_heads, context_len, limits)
     target = PROGRAMS_PER_SM * limits.sm_count
-    assert partitions >= 1
-    assert cdiv(context_len, partitions) <= MAX_PARTITION_TOKENS  # no partition of the longest runs alone
+    assert 1 <= split.fill <= split.partitions
     # enough programs for the SMs, unless the longest context's partitions are at the minimum already
-    at_shortest = partitions >= cdiv(context_len, MIN_PARTITION_TOKENS)
-    assert num_seqs * num_kv_heads * partitions >= target or at_shortest
-    # and no more than needed: one fewer would leave SMs idle or a partition over the maximum
-    if partitions > 1:
-        fewer = partitions - 1
-        assert num_seqs * num_kv_heads * fewer < target or cdiv(context_len, fewer) > MAX_PARTITION_TOKENS
+    at_shortest = split.fill >= cdiv(context_len, MIN_PARTITION_TOKENS)
+    assert num_seqs * num_kv_heads * split.fill >= target or at_shortest
+    # and no more than needed: one fewer would leave SMs idle
+    assert split.fill == 1 or num_seqs * num_kv_heads * (split.fill - 1) < target
+    # the grid holds the longest context in partitions of at most the maximum, and no more partitions than that needs
+    assert split.partitions == max(split.fill, cdiv(context_len, MAX_PARTITION_TOKENS))
 
 
 @pytest.mark.parametrize(("num_seqs", "context_len"), [(1, 16384), (4, 4096), (16, 2048)])
 def test_more_sms_get_more_partitions(num_seqs, context_len):
-    counts = [choose_num_partitions(num_seqs, 8, context_len, limits) for limits in (SMALL, A100, H100)]
+    counts = [choose_decode_split(num_seqs, 8, context_len, limits).fill for limits in (SMALL, A100, H100)]
     assert counts == sorted(counts) and counts[0] < counts[-1]
 
 
 def test_one_long_sequence_on_an_h100_is_split_across_the_sms():
     # 8 KV heads x 33 partitions = 264 programs, two per SM
-    assert choose_num_partitions(1, 8, 16384, H100) == 33
+    assert choose_decode_split(1, 8, 16384, H100) == DecodeSplit(partitions=33, fill=33)
 
 
 def test_a_short_context_is_split_no_finer_than_the_shortest_partition():
-    assert choose_num_partitions(1, 8, 1024, H100) == 1024 // MIN_PARTITION_TOKENS
+    assert choose_decode_split(1, 8, 1024, H100).fill == 1024 // MIN_PARTITION_TOKENS
 
 
 def test_a_batch_that_fills_the_sms_alone_runs_one_partition():
-    assert choose_num_partitions(64, 8, 4096, H100) == 1
+    assert choose_decode_split(64, 8, 4096, H100) == DecodeSplit(partitions=1, fill=1)
 
 
-def test_a_long_context_in_a_full_batch_is_still_split():
-    assert choose_num_partitions(64, 8, 4 * MAX_PARTITION_TOKENS, H100) == 4
+def test_a_long_context_in_a_full_batch_is_still_split_while_short_ones_are_not():
+    # the grid has room for 4 partitions of the longest context; a context of the maximum or less fills one
+    assert choose_decode_split(64, 8, 4 * MAX_PARTITION_TOKENS, H100) == DecodeSplit(partitions=4, fill=1)
 
 
 def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
@@ -175,5 +176,5 @@ def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
 
     for kernel in (triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel):
         params = inspect.signature(kernel.fn).parameters
-        for name in ("num_partitions",):
+        for name in ("num_partitions", "fill_partitions", "max_partition_tokens"):
             assert "constexpr" not in str(params[name].annotation), (kernel.fn.__name__, name)
