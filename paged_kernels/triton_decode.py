@@ -192,6 +192,16 @@ class DecodePlan:
     group_rows: int  # query heads of one KV head, padded for tl.dot
     launch: LaunchConfig
 
+    def __post_init__(self) -> None:
+        """Refuse counts under which a sequence could split into more partitions than the grid has: its kernels
+        would write and read past their partial results (a plan edited with ``dataclasses.replace``, say)."""
+        if not 1 <= self.fill_partitions <= self.num_partitions:
+            raise ValueError(f"fill_partitions must be 1 to num_partitions ({self.num_partitions}), "
+                             f"got {self.fill_partitions}")
+        if self.max_partition_tokens < 1 or self.num_partitions * self.max_partition_tokens < self.max_context_len:
+            raise ValueError(f"num_partitions x max_partition_tokens ({self.num_partitions} x "
+                             f"{self.max_partition_tokens}) must hold max_context_len ({self.max_context_len})")
+
 
 def plan_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -88,6 +88,18 @@ def test_a_context_longer_than_the_longest_partition_is_split_beyond_the_fill(
     assert_matches(*run_both(triton_ops, case, num_partitions=4, fill_partitions=1, max_partition_tokens=128))
 
 
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"num_partitions": 2, "fill_partitions": 3}, "fill_partitions"),
+    ({"num_partitions": 1, "fill_partitions": 1, "max_partition_tokens": 64}, "max_context_len"),
+])
+def test_a_plan_whose_grid_cannot_hold_its_partitions_is_refused(triton_ops, make_case, device, fields, named):
+    case = make_case([100, 300], device=device)
+    query = torch.randn(2, case.num_heads, 64, device=device)
+    plan = triton_ops.plan_decode(query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
+    with pytest.raises(ValueError, match=named):
+        replace(plan, **fields)
+
+
 def test_decode_merges_more_partitions_than_one_merge_step_reads(triton_ops, make_case, assert_matches, device):
     # The longest context splits into more than REDUCE_CHUNK partitions of 64 tokens; the shorter into one.
     case = make_case([33, 64 * REDUCE_CHUNK + 45], num_heads=8, num_kv_heads=2, device=device)
