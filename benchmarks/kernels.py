@@ -182,9 +182,8 @@ def main() -> int:
         if not args.from_json.is_file():
             parser.error(f"--from-json: no recorded run at {args.from_json}")
         return replot(args.from_json)
-    for context_len in args.context_lens:
-        if args.table_tokens is not None and args.table_tokens < context_len:
-            parser.error(f"--table-tokens {args.table_tokens} cannot hold --context-lens {context_len}")
+    if args.table_tokens is not None and args.table_tokens < max(args.context_lens):
+        parser.error(f"--table-tokens {args.table_tokens} cannot hold --context-lens {max(args.context_lens)}")
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; none found, nothing measured.")
         return 0
