@@ -33,6 +33,9 @@ from paged_kernels.launch import (
 )
 from paged_kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
 
+# Host values that change from step to step: Triton would otherwise compile a variant for each that is 1 or a
+# multiple of 16 (its integer specialisation), i.e. compile in the middle of serving.
+PER_STEP_ARGUMENTS = ["stride_table_seq", "num_partitions", "fill_partitions", "max_partition_tokens"]
 REDUCE_CHUNK = 16  # partition results the merge kernel reads per loop iteration
 
 
@@ -46,7 +49,7 @@ def partition_length(context_len, fill_partitions, max_tokens, TILE: tl.constexp
     return tl.maximum(share, MIN_TOKENS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_ARGUMENTS)
 def _decode_partition_kernel(
     out_ptr,
     partial_out_ptr,
@@ -129,7 +132,7 @@ def _decode_partition_kernel(
         tl.store(partial_out_ptr + partial_offsets, acc, mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_ARGUMENTS)
 def _decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,

@@ -20,7 +20,8 @@ from paged_kernels.launch import PrefillTiles, choose_prefill_tiles, device_limi
 from paged_kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_precision
 
 
-@triton.jit
+# the tables' width changes from step to step: no variant per width that is 1 or a multiple of 16
+@triton.jit(do_not_specialize=["stride_table_seq"])
 def _prefill_kernel(
     out_ptr,
     query_ptr,

@@ -178,3 +178,19 @@ def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
         params = inspect.signature(kernel.fn).parameters
         for name in ("num_partitions", "fill_partitions", "max_partition_tokens"):
             assert "constexpr" not in str(params[name].annotation), (kernel.fn.__name__, name)
+
+def test_per_step_launch_values_are_not_specialised_on():
+    # Triton compiles a variant per integer argument that is 1 or a multiple of 16 unless told not to: the
+    # partition counts and the tables' width change from step to step, so serving would recompile.
+    from paged_kernels import triton_decode, triton_prefill
+
+    per_step = {
+        triton_decode._decode_partition_kernel: {"stride_table_seq", "num_partitions", "fill_partitions",
+                                                 "max_partition_tokens"},
+        triton_decode._decode_reduce_kernel: {"num_partitions", "fill_partitions", "max_partition_tokens"},
+        triton_prefill._prefill_kernel: {"stride_table_seq"},
+    }
+    for kernel, names in per_step.items():
+        # what @triton.jit was given: a JITFunction keeps it, the interpreter's function keeps the keywords
+        declared = getattr(kernel, "do_not_specialize", None) or kernel.kwargs.get("do_not_specialize", [])
+        assert names <= set(declared), (kernel.fn.__name__, names - set(declared))
