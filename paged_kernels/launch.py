@@ -37,7 +37,15 @@ PIPELINED_STAGES = 2  # stages that let the next K/V tile load while the current
 # while the rest of the GPU idles). Both are multiples of every tile size.
 MIN_PARTITION_TOKENS = 64
 MAX_PARTITION_TOKENS = 8192
-PROGRAMS_PER_SM = 2  # decode programs per SM that hide one another's memory latency
+# Decode fills the GPU whichever of two ways splits more: SPREAD_PROGRAMS_PER_SM programs per SM in partitions of
+# MIN_PARTITION_TOKENS or more (a batch too small to use the SMs otherwise: 1 x 1k tokens runs 16 x 64), or
+# DEEP_PROGRAMS_PER_SM programs per SM in partitions of DEEP_PARTITION_TOKENS or more (enough programs in flight to
+# hide one another's memory latency, in partitions long enough to outweigh their merge). The sweep of the H200
+# (BENCHMARKS.md, seventeenth session) put the best split of 1 x 8k at 32 x 256 tokens, of 8 x 2k at 8 x 256 and of
+# 32 x 1k at 2 x 512: what this rule chooses.
+SPREAD_PROGRAMS_PER_SM = 1
+DEEP_PROGRAMS_PER_SM = 4
+DEEP_PARTITION_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +57,8 @@ class DeviceLimits:
     compiled: bool  # False for Triton's interpreter, which runs the programs one at a time
 
 
-# Off CUDA the kernels run in the interpreter: one "SM", so decode splits contexts only when
-# the batch alone cannot make two programs.
+# Off CUDA the kernels run in the interpreter: one "SM", so decode splits contexts only where the batch makes
+# fewer than DEEP_PROGRAMS_PER_SM programs.
 INTERPRETER_LIMITS = DeviceLimits(sm_count=1, shared_memory_bytes=TYPICAL_SHARED_MEMORY_BYTES, compiled=False)
 
 
@@ -157,27 +165,31 @@ def choose_prefill_tiles(
 
 @dataclass(frozen=True, slots=True)
 class DecodeSplit:
-    """How decode splits each sequence's context: ``fill`` partitions give the SMs enough programs, and a
-    context longer than ``fill`` x ``MAX_PARTITION_TOKENS`` takes more, up to ``partitions``, the grid's
-    third axis, which covers the longest context the plan is made for."""
+    """How decode splits each sequence's context: into ``fill`` partitions of ``MIN_PARTITION_TOKENS`` or more, or
+    ``deep`` partitions of ``DEEP_PARTITION_TOKENS`` or more, whichever is more; a context longer than that many
+    partitions of ``MAX_PARTITION_TOKENS`` takes more, up to ``partitions``, the grid's third axis, which covers
+    the longest context the plan is made for."""
 
     partitions: int
     fill: int
+    deep: int
 
 
 def choose_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int, limits: DeviceLimits) -> DecodeSplit:
-    """``fill``: enough partitions for ``PROGRAMS_PER_SM`` programs per SM over the batch x KV heads, as long as
-    the longest context keeps ``MIN_PARTITION_TOKENS`` per partition; ``partitions``: that, or as many as keep
-    every partition of the longest context within ``MAX_PARTITION_TOKENS``, if more.
+    """``fill``: enough partitions for ``SPREAD_PROGRAMS_PER_SM`` programs per SM (rounded up) over the batch x KV
+    heads, as long as the longest context keeps ``MIN_PARTITION_TOKENS`` per partition; ``deep``: as many for
+    ``DEEP_PROGRAMS_PER_SM`` programs per SM (rounded down: a batch that nearly gets there alone stays whole), as
+    long as it keeps ``DEEP_PARTITION_TOKENS``; both at least 1. ``partitions``: the more of the two, or as many as
+    keep every partition of the longest context within ``MAX_PARTITION_TOKENS``, if more.
 
-    Each sequence splits its own context on the device (``partition_length`` in ``triton_decode``): into
-    ``fill`` parts, fewer where a part would be shorter than the minimum, more where it would be longer than
-    the maximum; each part an equal share in whole tiles. So a plan made for the tables' capacity (a CUDA
-    graph's) splits a short context as a plan made for it would, instead of into partitions sized for the
-    capacity, of which it would fill one or two, and a long context in a full batch still splits. Rounding
-    to whole tiles can leave the last partitions empty (34 tiles split 33 ways run 17 programs of 2 tiles):
-    the longest program is what a step waits for."""
-    target = PROGRAMS_PER_SM * limits.sm_count
-    wanted = -(-target // max(1, num_seqs * num_kv_heads))
-    fill = max(1, min(wanted, -(-max_context_len // MIN_PARTITION_TOKENS)))
-    return DecodeSplit(max(fill, -(-max_context_len // MAX_PARTITION_TOKENS)), fill)
+    Each sequence splits its own context on the device (``partition_length`` in ``triton_decode``) by the same
+    rule, with its own length in place of the longest: so a plan made for the tables' capacity (a CUDA graph's)
+    splits every context as a plan made for that context would, instead of into partitions sized for the
+    capacity, of which it would fill one or two, and a long context in a full batch still splits. Each part is
+    an equal share in whole tiles; rounding can leave the last partitions empty (34 tiles split 33 ways run 17
+    programs of 2 tiles): the longest program is what a step waits for."""
+    groups = max(1, num_seqs * num_kv_heads)
+    spread = -(-SPREAD_PROGRAMS_PER_SM * limits.sm_count // groups)
+    fill = max(1, min(spread, -(-max_context_len // MIN_PARTITION_TOKENS)))
+    deep = max(1, min(DEEP_PROGRAMS_PER_SM * limits.sm_count // groups, max_context_len // DEEP_PARTITION_TOKENS))
+    return DecodeSplit(max(fill, deep, -(-max_context_len // MAX_PARTITION_TOKENS)), fill, deep)

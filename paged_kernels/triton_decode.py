@@ -21,6 +21,7 @@ import triton.language as tl
 
 from paged_kernels.checks import HostTables, check_attention_inputs, check_decode, check_decode_shapes
 from paged_kernels.launch import (
+    DEEP_PARTITION_TOKENS,
     MAX_PARTITION_TOKENS,
     MIN_DOT_ROWS,
     MIN_PARTITION_TOKENS,
@@ -35,21 +36,28 @@ from paged_kernels.triton_tiles import LOG2_E, attend_tile, dot_dtype, dot_preci
 
 # Host values that change from step to step: Triton would otherwise compile a variant for each that is 1 or a
 # multiple of 16 (its integer specialisation), i.e. compile in the middle of serving.
-PER_STEP_ARGUMENTS = ["stride_table_seq", "num_partitions", "fill_partitions", "max_partition_tokens"]
+SPLIT_ARGUMENTS = ["num_partitions", "fill_partitions", "deep_partitions", "max_partition_tokens"]
 REDUCE_CHUNK = 16  # partition results the merge kernel reads per loop iteration
 
 
 @triton.jit
-def partition_length(context_len, fill_partitions, max_tokens, TILE: tl.constexpr, MIN_TOKENS: tl.constexpr):
-    """Context positions per partition of a sequence: split ``fill_partitions`` ways, fewer where a part would
-    be shorter than ``MIN_TOKENS``, more where it would be longer than ``max_tokens`` (both multiples of
-    ``TILE``); an equal share in whole tiles, at least ``MIN_TOKENS``. The last partitions may hold nothing."""
-    parts = tl.maximum(tl.cdiv(context_len, max_tokens), tl.minimum(fill_partitions, tl.cdiv(context_len, MIN_TOKENS)))
+def partition_length(
+    context_len, fill_partitions, deep_partitions, max_tokens,
+    TILE: tl.constexpr, MIN_TOKENS: tl.constexpr, DEEP_TOKENS: tl.constexpr,
+):
+    """Context positions per partition of a sequence, the split ``launch.choose_decode_split`` would choose for
+    this context alone: ``fill_partitions`` ways, fewer where a part would be shorter than ``MIN_TOKENS``, or
+    ``deep_partitions`` ways, fewer where a part would be shorter than ``DEEP_TOKENS``, whichever is more; more
+    where a part would be longer than ``max_tokens`` (all multiples of ``TILE``); an equal share in whole tiles,
+    at least ``MIN_TOKENS``. The last partitions may hold nothing."""
+    spread = tl.minimum(fill_partitions, tl.cdiv(context_len, MIN_TOKENS))
+    deep = tl.minimum(deep_partitions, context_len // DEEP_TOKENS)
+    parts = tl.maximum(tl.cdiv(context_len, max_tokens), tl.maximum(spread, deep))
     share = tl.cdiv(tl.cdiv(context_len, parts), TILE) * TILE
     return tl.maximum(share, MIN_TOKENS)
 
 
-@triton.jit(do_not_specialize=PER_STEP_ARGUMENTS)
+@triton.jit(do_not_specialize=["stride_table_seq", *SPLIT_ARGUMENTS])
 def _decode_partition_kernel(
     out_ptr,
     partial_out_ptr,
@@ -72,6 +80,7 @@ def _decode_partition_kernel(
     num_heads,
     num_partitions,
     fill_partitions,
+    deep_partitions,
     max_partition_tokens,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -80,6 +89,7 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     MIN_PARTITION: tl.constexpr,
+    DEEP_PARTITION: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -89,7 +99,8 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     partition = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    tokens = partition_length(context_len, fill_partitions, max_partition_tokens, TILE, MIN_PARTITION)
+    tokens = partition_length(context_len, fill_partitions, deep_partitions, max_partition_tokens, TILE,
+                              MIN_PARTITION, DEEP_PARTITION)
     start = partition * tokens
     if start >= context_len:
         return
@@ -132,7 +143,7 @@ def _decode_partition_kernel(
         tl.store(partial_out_ptr + partial_offsets, acc, mask=row_mask[:, None])
 
 
-@triton.jit(do_not_specialize=PER_STEP_ARGUMENTS)
+@triton.jit(do_not_specialize=SPLIT_ARGUMENTS)
 def _decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,
@@ -144,11 +155,13 @@ def _decode_reduce_kernel(
     num_heads,
     num_partitions,
     fill_partitions,
+    deep_partitions,
     max_partition_tokens,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     TILE: tl.constexpr,
     MIN_PARTITION: tl.constexpr,
+    DEEP_PARTITION: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Merge one head's partition results, ``CHUNK`` at a time: rescale each to the running max
@@ -156,7 +169,8 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     context_len = tl.load(context_lens_ptr + seq)
-    tokens = partition_length(context_len, fill_partitions, max_partition_tokens, TILE, MIN_PARTITION)
+    tokens = partition_length(context_len, fill_partitions, deep_partitions, max_partition_tokens, TILE,
+                              MIN_PARTITION, DEEP_PARTITION)
     used_partitions = tl.cdiv(context_len, tokens)
     first_slot = (seq * num_heads + head) * num_partitions
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -189,7 +203,8 @@ class DecodePlan:
 
     max_context_len: int  # the longest context the plan was made for
     num_partitions: int  # per sequence at most: the grid's third axis
-    fill_partitions: int  # per sequence where its context allows (see launch.DecodeSplit)
+    fill_partitions: int  # per sequence where its context allows: the two ways of launch.DecodeSplit
+    deep_partitions: int
     max_partition_tokens: int
     tile_tokens: int
     group_rows: int  # query heads of one KV head, padded for tl.dot
@@ -198,9 +213,10 @@ class DecodePlan:
     def __post_init__(self) -> None:
         """Refuse counts under which a sequence could split into more partitions than the grid has: its kernels
         would write and read past their partial results (a plan edited with ``dataclasses.replace``, say)."""
-        if not 1 <= self.fill_partitions <= self.num_partitions:
-            raise ValueError(f"fill_partitions must be 1 to num_partitions ({self.num_partitions}), "
-                             f"got {self.fill_partitions}")
+        for name in ("fill_partitions", "deep_partitions"):
+            if not 1 <= getattr(self, name) <= self.num_partitions:
+                raise ValueError(f"{name} must be 1 to num_partitions ({self.num_partitions}), "
+                                 f"got {getattr(self, name)}")
         if self.max_partition_tokens < 1 or self.num_partitions * self.max_partition_tokens < self.max_context_len:
             raise ValueError(f"num_partitions x max_partition_tokens ({self.num_partitions} x "
                              f"{self.max_partition_tokens}) must hold max_context_len ({self.max_context_len})")
@@ -242,6 +258,7 @@ def _plan(query: torch.Tensor, key_cache: torch.Tensor, max_context_len: int) ->
         max_context_len,
         split.partitions,
         split.fill,
+        split.deep,
         MAX_PARTITION_TOKENS,
         tile,
         group_rows,
@@ -285,7 +302,7 @@ def paged_attention_decode(
         scale * LOG2_E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        num_heads, num_partitions, plan.fill_partitions, plan.max_partition_tokens,
+        num_heads, num_partitions, plan.fill_partitions, plan.deep_partitions, plan.max_partition_tokens,
         GROUP=num_heads // num_kv_heads,
         GROUP_PAD=plan.group_rows,
         HEAD_DIM=head_dim,
@@ -293,6 +310,7 @@ def paged_attention_decode(
         BLOCK_SIZE=block_size,
         TILE=plan.tile_tokens,
         MIN_PARTITION=MIN_PARTITION_TOKENS,
+        DEEP_PARTITION=DEEP_PARTITION_TOKENS,
         SINGLE_PARTITION=single,
         DOT_DTYPE=dot_dtype(key_cache.dtype),
         DOT_PRECISION=dot_precision(key_cache.dtype),
@@ -302,12 +320,13 @@ def paged_attention_decode(
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, partial_out, partial_max, partial_sum, context_lens,
-            out.stride(0), out.stride(1), num_heads, num_partitions, plan.fill_partitions,
+            out.stride(0), out.stride(1), num_heads, num_partitions, plan.fill_partitions, plan.deep_partitions,
             plan.max_partition_tokens,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             TILE=plan.tile_tokens,
             MIN_PARTITION=MIN_PARTITION_TOKENS,
+            DEEP_PARTITION=DEEP_PARTITION_TOKENS,
             CHUNK=REDUCE_CHUNK,
         )
     return out

@@ -6,9 +6,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from paged_kernels import reference
-from paged_kernels.triton_decode import REDUCE_CHUNK
+from paged_kernels.launch import (
+    DEEP_PARTITION_TOKENS,
+    MAX_PARTITION_TOKENS,
+    MIN_PARTITION_TOKENS,
+    DecodeSplit,
+    DeviceLimits,
+    choose_decode_split,
+)
+from paged_kernels.triton_decode import REDUCE_CHUNK, partition_length
+
+H100 = DeviceLimits(sm_count=132, shared_memory_bytes=227 * 1024, compiled=True)
 
 SCALE = 0.125
 
@@ -23,7 +35,7 @@ def run_both(triton_ops, case, dtype: torch.dtype = torch.float32, num_partition
     tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
     plan = triton_ops.plan_decode(*tensors)
     if num_partitions is not None:
-        plan = replace(plan, num_partitions=num_partitions, fill_partitions=num_partitions)
+        plan = replace(plan, num_partitions=num_partitions, fill_partitions=num_partitions, deep_partitions=1)
     plan = replace(plan, **plan_fields)
     return (
         triton_ops.paged_attention_decode(*tensors, SCALE, plan=plan),
@@ -88,8 +100,59 @@ def test_a_context_longer_than_the_longest_partition_is_split_beyond_the_fill(
     assert_matches(*run_both(triton_ops, case, num_partitions=4, fill_partitions=1, max_partition_tokens=128))
 
 
+def test_long_contexts_split_the_deep_way_where_it_gives_more_partitions(triton_ops, make_case, assert_matches, device):
+    # one partition per context the spread way; up to 4 of at least 256 tokens the deep way: 300 tokens run as one,
+    # 1,100 as 4 shares of 320 (whole 64-token tiles: 320 + 320 + 320 + 140)
+    case = make_case([300, 1100], device=device)
+    assert device_partition_lengths(DecodeSplit(partitions=4, fill=1, deep=4), [300, 1100], device) == [320, 320]
+    assert_matches(*run_both(triton_ops, case, num_partitions=4, fill_partitions=1, deep_partitions=4))
+
+
+@triton.jit
+def _partition_lengths_kernel(out_ptr, lens_ptr, fill, deep, max_tokens, TILE: tl.constexpr,
+                              MIN_TOKENS: tl.constexpr, DEEP_TOKENS: tl.constexpr):
+    index = tl.program_id(0)
+    length = partition_length(tl.load(lens_ptr + index), fill, deep, max_tokens, TILE, MIN_TOKENS, DEEP_TOKENS)
+    tl.store(out_ptr + index, length)
+
+
+def device_partition_lengths(split: DecodeSplit, lens: list[int], device: str, tile: int = 64) -> list[int]:
+    """What ``partition_length`` gives each context under ``split``, at ``tile``-token tiles."""
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = torch.empty_like(context_lens)
+    _partition_lengths_kernel[(len(lens),)](out, context_lens, split.fill, split.deep, MAX_PARTITION_TOKENS,
+                                            TILE=tile, MIN_TOKENS=MIN_PARTITION_TOKENS,
+                                            DEEP_TOKENS=DEEP_PARTITION_TOKENS)
+    return out.tolist()
+
+
+@pytest.mark.parametrize("num_seqs", [1, 8, 32, 256])
+def test_a_split_made_for_the_tables_capacity_splits_each_context_as_its_own_would(device, num_seqs):
+    # what a CUDA graph replays: the split of 32k-token tables, on an H100/H200's 132 SMs, 8 KV heads
+    lens = [1, 63, 64, 65, 300, 1024, 2048, 4000, 8192, 20000, 32768]
+    capacity = device_partition_lengths(choose_decode_split(num_seqs, 8, 32768, H100), lens, device)
+    own = [device_partition_lengths(choose_decode_split(num_seqs, 8, n, H100), [n], device)[0] for n in lens]
+    assert capacity == own
+
+
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_no_partition_is_shorter_than_the_minimum_at_any_tile(device, tile):
+    # 65 tokens split 2 ways would be 33 (48 in tiles of 16): the minimum, 64, holds them; 130 split 2 ways is 65,
+    # rounded up to whole tiles
+    split = DecodeSplit(partitions=2, fill=2, deep=1)
+    assert device_partition_lengths(split, [65, 130, 1], device, tile) == [64, {16: 80, 32: 96, 64: 128}[tile], 64]
+
+
+@pytest.mark.parametrize(("num_seqs", "context_len", "tokens"), [(1, 1024, 64), (1, 8192, 256), (8, 2048, 256)])
+def test_a_graphed_split_runs_the_partitions_the_h200_sweep_found_fastest(device, num_seqs, context_len, tokens):
+    # BENCHMARKS.md, seventeenth session: 1 x 1k fastest as 16 x 64 tokens, 1 x 8k as 32 x 256, 8 x 2k as 8 x 256
+    split = choose_decode_split(num_seqs, 8, 32768, H100)
+    assert device_partition_lengths(split, [context_len], device) == [tokens]
+
+
 @pytest.mark.parametrize(("fields", "named"), [
     ({"num_partitions": 2, "fill_partitions": 3}, "fill_partitions"),
+    ({"num_partitions": 2, "fill_partitions": 1, "deep_partitions": 3}, "deep_partitions"),
     ({"num_partitions": 1, "fill_partitions": 1, "max_partition_tokens": 64}, "max_context_len"),
 ])
 def test_a_plan_whose_grid_cannot_hold_its_partitions_is_refused(triton_ops, make_case, device, fields, named):
@@ -132,7 +195,8 @@ def test_a_static_plan_is_sized_by_the_tables_capacity_and_holds_as_lengths_chan
     tensors = (query, case.key_cache, case.value_cache, case.block_tables, case.context_lens)
     plan = triton_ops.plan_decode_static(*tensors)
     assert plan.max_context_len == case.block_tables.shape[1] * 16
-    plan = replace(plan, num_partitions=4, fill_partitions=4)  # each context split up to 4 ways: the merge runs
+    # each context split up to 4 ways: the merge runs
+    plan = replace(plan, num_partitions=4, fill_partitions=4, deep_partitions=1)
     for lens in ([64, 130, 200], [1, 65, 190], [40, 128, 129]):
         case.context_lens.copy_(torch.tensor(lens))
         assert triton_ops.plan_decode_static(*tensors).max_context_len == plan.max_context_len

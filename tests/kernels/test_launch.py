@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from paged_kernels.launch import (
+    DEEP_PARTITION_TOKENS,
+    DEEP_PROGRAMS_PER_SM,
     INTERPRETER_LIMITS,
     MAX_PARTITION_TOKENS,
     MAX_STAGES,
     MIN_DOT_ROWS,
     MIN_PARTITION_TOKENS,
-    PROGRAMS_PER_SM,
+    SPREAD_PROGRAMS_PER_SM,
     TYPICAL_SHARED_MEMORY_BYTES,
     DecodeSplit,
     DeviceLimits,
@@ -131,43 +133,54 @@ def cdiv(a: int, b: int) -> int:
 
 
 @pytest.mark.parametrize("limits", DEVICES)
-@pytest.mark.parametrize(("num_seqs", "num_kv_heads"), [(1, 1), (1, 8), (8, 8), (64, 8), (256, 2)])
+@pytest.mark.parametrize(("num_seqs", "num_kv_heads"), [(1, 1), (1, 8), (8, 8), (32, 8), (64, 8), (256, 2)])
 @pytest.mark.parametrize("context_len", [1, 300, 1024, 16384, 131072])
 def test_partitions_fill_the_sms_unless_already_at_the_shortest(limits, num_seqs, num_kv_heads, context_len):
     split = choose_decode_split(num_seqs, num_kv_heads, context_len, limits)
-    target = PROGRAMS_PER_SM * limits.sm_count
-    assert 1 <= split.fill <= split.partitions
-    # enough programs for the SMs, unless the longest context's partitions are at the minimum already
+    groups, sms = num_seqs * num_kv_heads, limits.sm_count
+    assert 1 <= split.fill <= split.partitions and 1 <= split.deep <= split.partitions
+    # a program per SM at least, unless the longest context's partitions are at the minimum already
     at_shortest = split.fill >= cdiv(context_len, MIN_PARTITION_TOKENS)
-    assert num_seqs * num_kv_heads * split.fill >= target or at_shortest
-    # and no more than needed: one fewer would leave SMs idle
-    assert split.fill == 1 or num_seqs * num_kv_heads * (split.fill - 1) < target
+    assert groups * split.fill >= SPREAD_PROGRAMS_PER_SM * sms or at_shortest
+    # neither way splits below its minimum length, nor past the programs it asks for
+    assert split.fill == 1 or (split.fill <= cdiv(context_len, MIN_PARTITION_TOKENS)
+                               and groups * (split.fill - 1) < SPREAD_PROGRAMS_PER_SM * sms)
+    assert split.deep == 1 or (context_len // split.deep >= DEEP_PARTITION_TOKENS
+                               and groups * split.deep <= DEEP_PROGRAMS_PER_SM * sms)
     # the grid holds the longest context in partitions of at most the maximum, and no more partitions than that needs
-    assert split.partitions == max(split.fill, cdiv(context_len, MAX_PARTITION_TOKENS))
+    assert split.partitions == max(split.fill, split.deep, cdiv(context_len, MAX_PARTITION_TOKENS))
+
+
+@pytest.mark.parametrize(("num_seqs", "context_len", "fastest"), [
+    (1, 1024, 16), (1, 8192, 32), (8, 2048, 8), (32, 1024, 2), (32, 8192, 2),
+])
+def test_the_split_is_the_one_the_h200_sweep_found_fastest(num_seqs, context_len, fastest):
+    # BENCHMARKS.md, seventeenth session: Llama-8B heads (8 KV heads), bf16, partitions 1-128 x warps x stages
+    assert choose_decode_split(num_seqs, 8, context_len, H100).partitions == fastest
 
 
 @pytest.mark.parametrize(("num_seqs", "context_len"), [(1, 16384), (4, 4096), (16, 2048)])
 def test_more_sms_get_more_partitions(num_seqs, context_len):
-    counts = [choose_decode_split(num_seqs, 8, context_len, limits).fill for limits in (SMALL, A100, H100)]
+    counts = [choose_decode_split(num_seqs, 8, context_len, limits).partitions for limits in (SMALL, A100, H100)]
     assert counts == sorted(counts) and counts[0] < counts[-1]
 
 
 def test_one_long_sequence_on_an_h100_is_split_across_the_sms():
-    # 8 KV heads x 33 partitions = 264 programs, two per SM
-    assert choose_decode_split(1, 8, 16384, H100) == DecodeSplit(partitions=33, fill=33)
+    # 8 KV heads x 64 partitions of 256 tokens = 512 programs, four per SM (528 would be 66 partitions of 248)
+    assert choose_decode_split(1, 8, 16384, H100) == DecodeSplit(partitions=64, fill=17, deep=64)
 
 
 def test_a_short_context_is_split_no_finer_than_the_shortest_partition():
-    assert choose_decode_split(1, 8, 1024, H100).fill == 1024 // MIN_PARTITION_TOKENS
+    assert choose_decode_split(1, 8, 1024, H100).partitions == 1024 // MIN_PARTITION_TOKENS
 
 
 def test_a_batch_that_fills_the_sms_alone_runs_one_partition():
-    assert choose_decode_split(64, 8, 4096, H100) == DecodeSplit(partitions=1, fill=1)
+    assert choose_decode_split(64, 8, 4096, H100) == DecodeSplit(partitions=1, fill=1, deep=1)
 
 
 def test_a_long_context_in_a_full_batch_is_still_split_while_short_ones_are_not():
     # the grid has room for 4 partitions of the longest context; a context of the maximum or less fills one
-    assert choose_decode_split(64, 8, 4 * MAX_PARTITION_TOKENS, H100) == DecodeSplit(partitions=4, fill=1)
+    assert choose_decode_split(64, 8, 4 * MAX_PARTITION_TOKENS, H100) == DecodeSplit(partitions=4, fill=1, deep=1)
 
 
 def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
@@ -176,8 +189,9 @@ def test_decode_launch_sizes_are_runtime_arguments_not_compile_time_constants():
 
     for kernel in (triton_decode._decode_partition_kernel, triton_decode._decode_reduce_kernel):
         params = inspect.signature(kernel.fn).parameters
-        for name in ("num_partitions", "fill_partitions", "max_partition_tokens"):
+        for name in ("num_partitions", "fill_partitions", "deep_partitions", "max_partition_tokens"):
             assert "constexpr" not in str(params[name].annotation), (kernel.fn.__name__, name)
+
 
 def test_per_step_launch_values_are_not_specialised_on():
     # Triton compiles a variant per integer argument that is 1 or a multiple of 16 unless told not to: the
@@ -186,8 +200,9 @@ def test_per_step_launch_values_are_not_specialised_on():
 
     per_step = {
         triton_decode._decode_partition_kernel: {"stride_table_seq", "num_partitions", "fill_partitions",
-                                                 "max_partition_tokens"},
-        triton_decode._decode_reduce_kernel: {"num_partitions", "fill_partitions", "max_partition_tokens"},
+                                                 "deep_partitions", "max_partition_tokens"},
+        triton_decode._decode_reduce_kernel: {"num_partitions", "fill_partitions", "deep_partitions",
+                                              "max_partition_tokens"},
         triton_prefill._prefill_kernel: {"stride_table_seq"},
     }
     for kernel, names in per_step.items():
