@@ -17,6 +17,7 @@ from engine.config import EngineConfig, resolve_dtype
 from engine.cuda_graphs import capture_decode_graphs, uses_cuda_graphs
 from engine.detokenizer import start_offsets
 from engine.fault_isolation import FaultIsolator
+from engine.kernel_warmup import compile_attention_kernels
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import kv_heads_and_head_dim
@@ -84,6 +85,10 @@ class LLMEngine:
             DEFAULT_TOKEN_BUDGET if config.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, self.max_model_len)
         )
         self.scheduler = Scheduler(config, self.block_manager, max(token_budget, config.max_num_seqs))
+        if self.ops.compiles_on_first_launch():  # every attention variant compiles now, not in a request's step
+            attention = self.model.layers[0].self_attn
+            compile_attention_kernels(self.ops, self.cache, attention.num_heads, attention.head_dim,
+                                      min(self.scheduler.token_budget, self.max_model_len), self.max_model_len)
         graphs = None
         if uses_cuda_graphs(self.device, config.enforce_eager):  # after the KV cache: graphs take what is left
             max_blocks_per_seq = -(-self.max_model_len // config.block_size)

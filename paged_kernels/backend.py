@@ -53,6 +53,11 @@ class KernelBackend(Protocol):
 
     def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None: ...
 
+    def compiles_on_first_launch(self) -> bool:
+        """Whether a kernel compiles at the first launch of each variant (Triton's JIT): the engine then launches
+        every variant once at start (``engine/kernel_warmup.py``), not in a request's step."""
+        ...
+
     def fused_layer_ops(self) -> ModuleType | None:
         """The compiled element-wise layer ops (residual add + RMS norm, rotary, SiLU * up; see
         ``LlamaForCausalLM.fuse_cpu_layer_ops``) the model may run with this backend; ``None``: plain torch."""

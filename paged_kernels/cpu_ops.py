@@ -18,6 +18,7 @@ from paged_kernels import reference
 from paged_kernels.checks import HostTables, check_attention_inputs, check_decode
 from paged_kernels.cpu_extension import cpu_kernels
 from paged_kernels.reference import (
+    compiles_on_first_launch,
     copy_blocks,
     paged_prefill_attention,
     plan_decode_static,
@@ -27,6 +28,7 @@ from paged_kernels.reference import (
 )
 
 __all__ = [
+    "compiles_on_first_launch",
     "copy_blocks",
     "fused_layer_ops",
     "paged_attention_decode",

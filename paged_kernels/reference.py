@@ -316,6 +316,11 @@ def copy_blocks(
         cache.index_copy_(0, dst.to(cache.device), cache.index_select(0, src.to(cache.device)))
 
 
+def compiles_on_first_launch() -> bool:
+    """False: plain torch (the CPU backend's C++ kernels are built, or loaded, when it is selected)."""
+    return False
+
+
 def fused_layer_ops() -> ModuleType | None:
     """None: the reference runs the model's plain torch layers (token-exact with transformers)."""
     return None

@@ -23,13 +23,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``), which compiles nothing."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """Operand type of the attention dots: the cache's own, except bf16 in the interpreter.
 
     Triton's CPU interpreter (3.9) stores bf16 as raw uint16 and multiplies the bits in
     ``tl.dot``; there the operands are widened to fp32 instead.
     """
-    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if dtype == torch.bfloat16 and interpreted():
         return tl.float32
     return TL_DTYPES[dtype]
 

@@ -22,7 +22,7 @@ def _parameters(function: object, drop_self: bool = False) -> list[str]:
 def test_the_contract_names_every_kernel_the_engine_calls() -> None:
     assert sorted(CONTRACT) == sorted([
         "reshape_and_cache", "plan_decode", "plan_decode_static", "paged_attention_decode", "plan_prefill",
-        "paged_prefill_attention", "copy_blocks", "swap_blocks", "fused_layer_ops"])
+        "paged_prefill_attention", "copy_blocks", "swap_blocks", "compiles_on_first_launch", "fused_layer_ops"])
 
 
 @pytest.mark.parametrize("backend_name", ["cpu", "torch", "triton"])
