@@ -81,7 +81,7 @@ mkdir -p "$OUT" "$W"
 SUM=$OUT/summary.txt; : > "$SUM"
 T0=$(date +%s); BUDGET=${BUDGET:-420}      # seconds for all steps; steps past it are skipped
 SKIP=" ${SKIP:-} "                         # steps to leave out on a rerun, e.g. SKIP="smoke kernels sanitizer"
-STEPS=" env install smoke kernels e2e hostprof bench engine sanitizer "
+STEPS=" env install smoke kernels e2e hostprof bench ncu engine sanitizer "
 for name in $SKIP; do [[ $STEPS == *" $name "* ]] || echo "SKIP names no step: $name (steps:$STEPS)" | tee -a "$SUM"; done
 PY=${PY:-python3}                          # the image's python3 holds CUDA torch + triton
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -302,10 +302,18 @@ for T, H, KV, D in ((2048, 32, 8, 128), (512, 9, 3, 64)):
     tflops = 2 * 2 * T * T * H * D / 2 / ours / 1e9
     put(f"prefill_T{T}_H{H}_D{D}", {"ms": round(ours, 4), "sdpa_ms": sdpa, "TFLOPs": round(tflops, 1)})
 # Decode launch sweep under CUDA graph replay (as the engine runs decode; no host launch cost): the plan's own
-# choice against partitions per sequence x warps x stages at the plan's tile, and contiguous SDPA, Llama-8B heads,
-# bf16. "static" is the plan a CUDA graph of the engine holds: made from tables with room for 32k tokens.
+# choice against partitions per sequence x warps x stages at the plan's tile, tiles of 32 and 128 at the plan's
+# split, and contiguous SDPA; Llama-8B heads, bf16. "static" is the
+# plan a CUDA graph of the engine holds: made from tables with room for 32k tokens. "kernels_us" is what the
+# profiler saw each kernel take (without the gaps between launches).
 H, KV, D, CAPACITY = 32, 8, 128, 32768
 bad_sweeps = 0
+def kernel_times(run):
+    run(); torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20): run()
+        torch.cuda.synchronize()
+    return {e.key[:40]: round(e.device_time_total / e.count, 2) for e in prof.key_averages() if e.device_time_total > 0}
 for name, (B, L) in {"b1_l1024": (1, 1024), "b1_l8192": (1, 8192), "b8_l2048": (8, 2048),
                      "b32_l1024": (32, 1024), "b32_l8192": (32, 8192)}.items():
     nb = B * L // 16
@@ -320,31 +328,47 @@ for name, (B, L) in {"b1_l1024": (1, 1024), "b1_l8192": (1, 8192), "b8_l2048": (
     expected = reference.paged_attention_decode(q, k, v, bt, cl, 0.1).float()
     tolerance = 2e-2 * expected.abs().max().item()  # bf16 rounding, relative to the outputs' size
     timed, wrong = [], []
+    def trial(plan, label, tables=bt):
+        got = triton_ops.paged_attention_decode(q, k, v, tables, cl, 0.1, plan=plan).float()
+        if (got - expected).abs().max().item() > tolerance:
+            wrong.append(label)
+        return round(tt.do_bench_cudagraph(lambda: triton_ops.paged_attention_decode(q, k, v, tables, cl, 0.1, plan=plan)), 4)
     for parts in (1, 2, 4, 8, 16, 32, 64, 128):
         for warps in (4, 8):
             for stages in (2, 3):
                 if parts > -(-L // 64):
                     continue
-                plan = dataclasses.replace(base, num_partitions=parts, fill_partitions=parts, launch=LaunchConfig(warps, stages))
-                got = triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan).float()
-                if (got - expected).abs().max().item() > tolerance:
-                    wrong.append((parts, warps, stages))
-                ms = tt.do_bench_cudagraph(lambda plan=plan: triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan))
-                timed.append((round(ms, 4), parts, warps, stages))
-    own = tt.do_bench_cudagraph(lambda: triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=base))
-    if (triton_ops.paged_attention_decode(q, k, v, wide, cl, 0.1, plan=static).float() - expected).abs().max().item() > tolerance:
-        wrong.append(("static", static.num_partitions))
-    own_static = tt.do_bench_cudagraph(lambda: triton_ops.paged_attention_decode(q, k, v, wide, cl, 0.1, plan=static))
+                plan = dataclasses.replace(base, num_partitions=parts, fill_partitions=parts, deep_partitions=1, launch=LaunchConfig(warps, stages))
+                timed.append((trial(plan, (parts, warps, stages)), parts, warps, stages))
+    own = trial(base, "plan")
+    tiles = {tile: trial(dataclasses.replace(base, tile_tokens=tile), f"tile{tile}") for tile in (32, 128)}
+    own_static = trial(static, ("static", static.num_partitions), wide)
     timed.sort()
     best = min(timed[0][0], own)
-    put(f"sweep_{name}", {"sdpa_ms": round(sdpa, 4), "plan": [round(own, 4), base.num_partitions, base.tile_tokens, base.launch.num_warps, base.launch.num_stages],
+    put(f"sweep_{name}", {"sdpa_ms": round(sdpa, 4), "plan": [own, base.num_partitions, base.tile_tokens, base.launch.num_warps, base.launch.num_stages],
                           "plan_over_sdpa": round(own / sdpa, 3), "best_over_sdpa": round(best / sdpa, 3),
-                          "static_plan": [round(own_static, 4), static.num_partitions, static.fill_partitions], "static_over_sdpa": round(own_static / sdpa, 3),
-                          "best5_ms_parts_warps_stages": timed[:5], "worst": timed[-1]})
+                          "static_plan": [own_static, static.num_partitions, static.fill_partitions, static.deep_partitions], "static_over_sdpa": round(own_static / sdpa, 3),
+                          "tiles_ms": tiles, "best5_ms_parts_warps_stages": timed[:5], "worst": timed[-1]})
+    put(f"kernels_us_{name}", {"plan": kernel_times(lambda: triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=base)),
+                                "sdpa": kernel_times(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, scale=0.1, enable_gqa=True))})
     if wrong:
         put(f"sweep_{name}_wrong_outputs", wrong)
         bad_sweeps += 1
 sys.exit(1 if bad_sweeps else 0)
+EOF
+
+cat > "$W/one_decode.py" <<'EOF'
+"""One shape's planned decode, launched a few times (for Nsight Compute): argv = batch context."""
+import sys, torch
+from paged_kernels import triton_ops
+B, L = int(sys.argv[1]), int(sys.argv[2])
+nb = B * L // 16
+k = torch.randn(nb, 16, 8, 128, device="cuda", dtype=torch.bfloat16); v = torch.randn_like(k)
+bt = torch.randperm(nb, device="cuda", dtype=torch.int32).view(B, -1)
+cl = torch.full((B,), L, dtype=torch.int32, device="cuda"); q = torch.randn(B, 32, 128, device="cuda", dtype=torch.bfloat16)
+plan = triton_ops.plan_decode(q, k, v, bt, cl)
+for _ in range(6): triton_ops.paged_attention_decode(q, k, v, bt, cl, 0.1, plan=plan)
+torch.cuda.synchronize()
 EOF
 
 cat > "$W/hostprof.py" <<'EOF'
@@ -387,6 +411,16 @@ step hostprof 45 "$PY" "$W/hostprof.py"
 step bench 180 bash -c "rc=0; $PY $W/micro.py || rc=1
   $PY benchmarks/kernels.py --batches 1 32 --context-lens 1024 8192 --dtype bfloat16 --out $OUT/kernels.json || rc=1
   $PY benchmarks/kernels.py --batches 1 32 --context-lens 1024 8192 --dtype bfloat16 --table-tokens 32768 --out $OUT/kernels-static.json || rc=1; exit \$rc"
+# Nsight Compute on the decode partition kernel (when the image has it and may read the counters): throughput,
+# occupancy and stall reasons at a small and a full batch
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+if [ -z "$NCU" ]; then
+  printf 'SKIP     %-10s (no ncu on this image)\n' ncu | tee -a "$SUM"
+else
+  step ncu 90 bash -c "for shape in '1 8192' '32 1024'; do echo \"== decode \$shape\"; $NCU --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    -k regex:_decode_partition --launch-skip 3 --launch-count 1 $PY $W/one_decode.py \$shape || exit 1; done"
+fi
 XDIST4=""; [ -n "$XDIST" ] && XDIST4="-n 4"
 # device "auto" = CUDA here: the whole engine suite (tiny Llama + the SmolLM2 cut) runs on the GPU
 # (int8 quantization runs on the CPU only, and its test reads the service's settings: pydantic, celery)

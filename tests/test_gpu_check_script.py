@@ -37,7 +37,7 @@ def test_the_script_parses_as_bash() -> None:
 
 
 def test_the_script_writes_its_python_helpers() -> None:
-    assert set(_python_helpers()) == {"smoke.py", "e2e.py", "micro.py", "hostprof.py"}
+    assert set(_python_helpers()) == {"smoke.py", "e2e.py", "micro.py", "one_decode.py", "hostprof.py"}
 
 
 @pytest.mark.parametrize(("name", "source"), sorted(_python_helpers().items()))
