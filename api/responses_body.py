@@ -53,6 +53,38 @@ def output_items(job: Job) -> list[dict[str, Any]]:
     return items + [call_item(call) for call in calls]
 
 
+def input_items(job: Job) -> list[dict[str, Any]]:
+    """The input items of a response's request, rebuilt from the chat messages its job runs (after the earlier
+    response's conversation and the instructions): messages (their text parts joined into one, as the chat routes
+    join them), function calls and their outputs, each with an id of its place in the input."""
+    meta = job.metadata_ or {}
+    messages = list(job.messages or [])
+    start = int(meta.get("openai_history") or 0) + (1 if meta.get("openai_instructions") else 0)
+    joined = int(meta.get("openai_joined_calls") or 0)
+    items: list[dict[str, Any]] = []
+    if joined:  # the leading calls were merged into the earlier answer's assistant turn
+        items += [_input_call(call) for call in messages[start - 1]["tool_calls"][-joined:]]
+    for message in messages[start:]:
+        if message["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": message["tool_call_id"],
+                          "output": message["content"], "status": "completed"})
+            continue
+        calls = message.get("tool_calls") or []
+        if message.get("content") or not calls:  # a turn of calls alone is stored with empty text
+            kind = "output_text" if message["role"] == "assistant" else "input_text"
+            items.append({"type": "message", "role": message["role"], "status": "completed",
+                          "content": [{"type": kind, "text": message.get("content") or ""}]})
+        items += [_input_call(call) for call in calls]
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+    return [{"id": f"{prefixes[item['type']]}_{job.id}_{place}", **item} for place, item in enumerate(items)]
+
+
+def _input_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    return {"type": "function_call", "call_id": call["id"], "name": function["name"],
+            "arguments": function["arguments"], "status": "completed"}
+
+
 def _status(job: Job) -> str:
     if job.status is not JobStatus.succeeded:
         return STATUSES[job.status]

@@ -187,8 +187,16 @@ class ResponsesRequest(OpenAIBody):
             job = self._chat_request(earlier).to_job()
         except ApiError as exc:
             raise responses_named(exc) from exc
-        job.metadata = {**(job.metadata or {}), **self._metadata(len(earlier))}
+        job.metadata = {**(job.metadata or {}), **self._metadata(len(earlier), self._joined_calls(earlier))}
         return job
+
+    def _joined_calls(self, earlier: list[dict[str, Any]]) -> int:
+        """How many of the input's first items are function calls that join the earlier answer's assistant turn
+        (``chat_messages``: no instructions stand between them), so that its input items can be told apart again."""
+        if self.instructions or not earlier or earlier[-1].get("role") != "assistant":
+            return 0
+        return next((i for i, item in enumerate(self.input) if not isinstance(item, FunctionCallItem)),
+                    len(self.input))
 
     def _chat_request(self, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion request this response runs as."""
@@ -214,12 +222,15 @@ class ResponsesRequest(OpenAIBody):
         except ValidationError as exc:  # what the items' own checks let through, named as this request's field
             raise ApiError(400, f"input: {exc.errors()[0]['msg']}", "input") from exc
 
-    def _metadata(self, history: int) -> dict[str, MetadataValue]:
+    def _metadata(self, history: int, joined_calls: int) -> dict[str, MetadataValue]:
         """What the job keeps to answer as a response: the endpoint, how many of its messages came before this
         request's (an earlier response's conversation), whether the next one is the instructions (which a later
-        response does not inherit), the earlier response's id, and the client's own metadata."""
+        response does not inherit), how many of its function calls joined the earlier answer's turn, the earlier
+        response's id, and the client's own metadata."""
         kept: dict[str, MetadataValue] = {"openai_endpoint": RESPONSES, "openai_history": history,
                                           **(self.metadata or {})}
+        if joined_calls:
+            kept["openai_joined_calls"] = joined_calls
         if self.instructions:
             kept["openai_instructions"] = True
         if self.previous_response_id is not None:

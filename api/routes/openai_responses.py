@@ -1,12 +1,13 @@
 """OpenAI's Responses API, as vLLM serves it: POST /v1/responses (streamed, waited for, or in the background),
-GET /v1/responses/{id}, POST /v1/responses/{id}/cancel. A response is a job: its id is the job's."""
+GET /v1/responses/{id}, POST /v1/responses/{id}/cancel, and OpenAI's GET /v1/responses/{id}/input_items. A response
+is a job: its id is the job's."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -17,7 +18,7 @@ from api.jobs import cancel_job, get_job
 from api.openai_errors import OpenAIRoute
 from api.openai_relay import create_openai_jobs, failure, wait_for_jobs
 from api.openai_schemas import ignored_fields, openai_named
-from api.responses_body import output_items, response_object
+from api.responses_body import input_items, output_items, response_object
 from api.responses_schemas import FunctionCallItem, InputMessage, ResponsesRequest, chat_messages, responses_named
 from api.responses_stream import stream_response
 from core.models import ApiKey, Job, JobStatus
@@ -98,6 +99,27 @@ def get_response(response_id: str, key: CurrentKey, session: DbSession, stream: 
                        "stream: true", "stream")
     job = _response_job(session, key, response_id, "response_id")
     return response_object(job, answer_model(job))
+
+
+@router.get("/responses/{response_id}/input_items")
+def list_input_items(
+    response_id: str, key: CurrentKey, session: DbSession, after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
+    include: Annotated[list[str] | None, Query()] = None,  # accepted: nothing it may ask for is made here
+) -> dict[str, Any]:
+    """A page of the items the response's request gave (last first; `order=asc`: first first), `limit` of them
+    after the item `after`."""
+    items = input_items(_response_job(session, key, response_id, "response_id"))
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(404, f"after: response {response_id} has no input item {after}", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.post("/responses/{response_id}/cancel")

@@ -137,6 +137,12 @@ def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response
         tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
         tool_choice="none")
     assert answered.output_text == chat.choices[0].message.content
+    # the SDK pages through the request's own items (one a page here): the output it answered, not the earlier turn
+    (item,) = list(openai_client.responses.input_items.list(answered.id, limit=1))
+    assert item.type == "function_call_output" and item.call_id == call.call_id and item.output == '{"sky": "clear"}'
+    listed = list(openai_client.responses.input_items.list(called.id, order="asc", limit=1))
+    assert [(item.type, item.role, item.content[0].text) for item in listed] == [
+        ("message", "user", "Weather in Paris?")]
     streamed = list(openai_client.responses.create(
         model=model, input="Weather in Rome?", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
         max_output_tokens=32, temperature=0.0, stream=True))
