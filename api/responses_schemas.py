@@ -187,16 +187,8 @@ class ResponsesRequest(OpenAIBody):
             job = self._chat_request(earlier).to_job()
         except ApiError as exc:
             raise responses_named(exc) from exc
-        job.metadata = {**(job.metadata or {}), **self._metadata(len(earlier), self._joined_calls(earlier))}
+        job.metadata = {**(job.metadata or {}), **self._metadata(len(earlier), _calls_joined(earlier, job))}
         return job
-
-    def _joined_calls(self, earlier: list[dict[str, Any]]) -> int:
-        """How many of the input's first items are function calls that join the earlier answer's assistant turn
-        (``chat_messages``: no instructions stand between them), so that its input items can be told apart again."""
-        if self.instructions or not earlier or earlier[-1].get("role") != "assistant":
-            return 0
-        return next((i for i, item in enumerate(self.input) if not isinstance(item, FunctionCallItem)),
-                    len(self.input))
 
     def _chat_request(self, earlier: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion request this response runs as."""
@@ -260,6 +252,14 @@ def responses_named(error: ApiError) -> ApiError:
     for chat_name, name in _CHAT_NAMES:
         message = message.replace(chat_name, name)
     return ApiError(error.status_code, message, _responses_field(error.field), error.headers)
+
+
+def _calls_joined(earlier: list[dict[str, Any]], job: JobCreate) -> int:
+    """How many of the input's function calls ``chat_messages`` merged into the earlier conversation's last turn
+    (an assistant turn right before them): the calls that turn holds in the job beyond those it held before."""
+    if not earlier or not job.messages:
+        return 0
+    return len(job.messages[len(earlier) - 1].tool_calls or []) - len(earlier[-1].get("tool_calls") or [])
 
 
 def _check_calls(earlier: list[dict[str, Any]], items: list[Any]) -> None:

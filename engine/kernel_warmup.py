@@ -35,10 +35,9 @@ def compile_attention_kernels(
     max_context_len: int,
 ) -> None:
     """Prefill one sequence of each of ``warmup_lengths`` new tokens up to ``max_new_tokens`` (at most
-    ``LONGEST_PREFILL_WARMUP``), and decode one sequence of
-    one token of context and one of ``max_context_len`` (as split as a one-sequence batch gets), reading the
-    cache's first block over and over: nothing is written. The metadata has the engine's dtypes (int32 tables and
-    lengths), which Triton compiles for."""
+    ``LONGEST_PREFILL_WARMUP``), and decode one sequence of one token of context and one of ``max_context_len``
+    (as split as a one-sequence batch gets), reading the cache's first block over and over: nothing is written.
+    The metadata has the engine's dtypes (int32 tables and lengths), which Triton compiles for."""
     key_cache, value_cache = cache.gpu_cache[0]
     block_size, device = key_cache.shape[1], key_cache.device
 

@@ -113,10 +113,10 @@ def list_input_items(
     if order == "desc":
         items.reverse()
     if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise ApiError(404, f"after: response {response_id} has no input item {after}", "after")
-        items = items[ids.index(after) + 1:]
+        try:
+            items = items[[item["id"] for item in items].index(after) + 1:]
+        except ValueError as exc:
+            raise ApiError(404, f"after: response {response_id} has no input item {after}", "after") from exc
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
