@@ -65,6 +65,6 @@ def job_created(job: Job) -> None:
     log_event(logger, "job.transition", job_id=job.id, status=job.status.value, attempts=0)
     JOBS_SUBMITTED.inc()
     try:
-        queue.enqueue_job(job.id, job.priority)
+        queue.enqueue_job(job.id, job.priority, job.api_key_id)
     except Exception as exc:  # Accepted work stays queued in the database; a reconciler re-enqueues it.
         logger.error("job.enqueue_failed job_id=%s error=%r", job.id, exc)

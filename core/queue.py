@@ -3,7 +3,7 @@
 A job's priority reaches the broker: Celery's Redis transport splits each queue into one list per
 priority level (0 to 8) and a worker's BRPOP names level 0 of every queue first, so an urgent job
 overtakes a backlog of any length, not only the few jobs a worker already holds (those the engine's
-own priority scheduling orders).
+own priority scheduling orders). Inside a level, API keys share the workers fairly (core/fair_queue.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from celery import Celery
 from kombu.transport.redis import Channel as RedisChannel
 
+from core import fair_queue
 from core.settings import Settings, get_settings
 
 RUN_JOB_TASK = "pagedserve.run_job"
@@ -85,9 +86,12 @@ def celery_app() -> Celery:
     return _celery_for(get_settings().model_dump_json())
 
 
-def enqueue_job(job_id: str, priority: int) -> None:
-    """Queue a job for the workers at its priority's broker level; the message carries only its id."""
-    celery_app().send_task(RUN_JOB_TASK, args=[job_id], priority=broker_level(priority))
+def enqueue_job(job_id: str, priority: int, api_key_id: str) -> None:
+    """Queue a job at its priority's broker level: an entry in its key's line there, and a message for one run
+    at that level (its job id and level); the worker that takes the message runs the job fair share picks."""
+    level = broker_level(priority)
+    fair_queue.add(level, api_key_id, job_id, priority + MAX_PRIORITY)
+    celery_app().send_task(RUN_JOB_TASK, args=[job_id, level], priority=level)
 
 
 def enqueue_webhook(delivery_id: str, countdown_s: float = 0.0) -> None:

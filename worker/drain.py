@@ -52,4 +52,4 @@ def requeue(job: Job) -> None:
                               worker_id=None, started_at=None, first_token_at=None)
     if requeued is not None:
         log_event(logger, "job.requeued", job_id=job.id, reason="worker shutting down", attempts=job.attempts)
-        queue.enqueue_job(job.id, job.priority)
+        queue.enqueue_job(job.id, job.priority, job.api_key_id)

@@ -1,25 +1,25 @@
 """Recovery of lost work, run in every worker, one at a time under a Redis lock.
 
 The reaper puts jobs held by a dead worker (heartbeat expired) back on the queue; the reconciler
-re-enqueues queued jobs and pending webhook deliveries whose broker message was lost (Redis restarted
-empty, or the message sits unacked with a dead worker). A duplicate message is harmless: a job starts
+re-enqueues queued jobs that lost their entry in fair share's lines or whose level lost broker messages
+(Redis restarted empty, a worker died between taking an entry and claiming its job), and pending webhook
+deliveries whose broker message was lost. A duplicate message is harmless: a job starts
 only through the compare-and-set claim, so at most one run of it is live. The pass also moves open
 batches on: it expires those past their completion window and finalizes those a worker did not.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
-from core import batch_progress, queue, streams
+from core import batch_progress, fair_queue, queue, streams
 from core.db import session_factory
 from core.lifecycle import transition
 from core.logging import log_event
@@ -28,19 +28,6 @@ from core.settings import get_settings
 from worker import heartbeat
 
 logger = logging.getLogger("pagedserve.reaper")
-
-
-def _ready_job_ids() -> set[str]:
-    """Job ids of the run-job messages waiting in the broker's queue (not yet taken by any worker)."""
-    pipe = streams.redis_client().pipeline()
-    for list_key in queue.broker_queue_keys(queue.JOBS_QUEUE):
-        pipe.lrange(list_key, 0, -1)
-    raw_messages = [raw for level in pipe.execute() for raw in level]
-    ids = set()
-    for raw in raw_messages:
-        args = json.loads(base64.b64decode(json.loads(raw)["body"]))[0]
-        ids.update(str(arg) for arg in args[:1])
-    return ids
 
 
 def _claim_requeue(kind: str, item_id: str) -> bool:
@@ -114,24 +101,42 @@ class Reaper:
                              worker_id=None, started_at=None, first_token_at=None)
             if job is not None:
                 log_event(logger, "job.requeued", job_id=job_id, dead_worker=worker, attempts=job.attempts)
-                queue.enqueue_job(job_id, job.priority)
+                queue.enqueue_job(job_id, job.priority, job.api_key_id)
                 requeued.append(job_id)
         return requeued
 
 
 def reenqueue_lost_jobs(session: Session) -> list[str]:
-    """Re-enqueue jobs queued longer than the grace period whose message is not in the broker's queue."""
+    """Re-enqueue jobs queued longer than the grace period that a worker could miss: those with no entry in
+    their key's line (a worker died between taking the entry and claiming the job, or Redis lost it), and as many
+    waiting ones as a level has entries beyond its messages (the broker lost messages)."""
     cutoff = utcnow() - timedelta(seconds=get_settings().reconcile_grace_s)
-    stale = dict(session.execute(
-        select(Job.id, Job.priority).where(Job.status == JobStatus.queued, Job.created_at < cutoff)).all())
+    stale = session.execute(select(Job.id, Job.priority, Job.api_key_id).where(
+        Job.status == JobStatus.queued, Job.created_at < cutoff).order_by(Job.created_at, Job.id)).all()
     if not stale:
         return []
-    lost = sorted(stale.keys() - _ready_job_ids())
-    reenqueued = [job_id for job_id in lost if _claim_requeue("job", job_id)]
-    for job_id in reenqueued:
-        log_event(logger, "job.reenqueued", job_id=job_id, reason="queued in the store, missing from the broker")
-        queue.enqueue_job(job_id, stale[job_id])
-    return reenqueued
+    waiting = fair_queue.waiting((queue.broker_level(priority), key, job_id) for job_id, priority, key in stale)
+    lost = [row for row in stale if row.id not in waiting]
+    for level, rows in _by_level(row for row in stale if row.id in waiting).items():
+        lost += rows[:_messages_short(level)]
+    reenqueued = [row for row in lost if _claim_requeue("job", row.id)]
+    for job_id, priority, api_key_id in reenqueued:
+        log_event(logger, "job.reenqueued", job_id=job_id, reason="queued in the store, missing from the queue")
+        queue.enqueue_job(job_id, priority, api_key_id)
+    return [row.id for row in reenqueued]
+
+
+def _by_level(rows: Iterable[Row[tuple[str, int, str]]]) -> dict[int, list[Row[tuple[str, int, str]]]]:
+    levels: dict[int, list[Row[tuple[str, int, str]]]] = {}
+    for row in rows:
+        levels.setdefault(queue.broker_level(row.priority), []).append(row)
+    return levels
+
+
+def _messages_short(level: int) -> int:
+    """How many more entries wait at a level than messages wait in the broker there (0 when none are missing)."""
+    messages = streams.redis_client().llen(queue.broker_queue_keys(queue.JOBS_QUEUE)[level])
+    return max(0, fair_queue.waiting_count(level) - messages)
 
 
 def reenqueue_overdue_deliveries(session: Session) -> list[str]:

@@ -116,22 +116,23 @@ def _mark_first_token(job_id: str) -> None:
         session.commit()
 
 
-def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> None:
-    """Run a job to a final state; a job that is not claimable (done, cancelled, held by a live worker) is skipped."""
+def run_job(job_id: str, service: EngineService, sampling_params_cls: Any) -> bool:
+    """Run a job to a final state; False if it was not claimable (done, cancelled, held by a live worker)."""
     job = _claim(job_id)
     if job is None:
-        return
+        return False
     try:
         params = sampling_params_cls(**job.params)
     except (TypeError, ValueError) as exc:
         _finish(job, JobStatus.failed, error=f"{REFUSED}invalid sampling parameters: {exc}")
-        return
+        return True
     request_id = request_id_for(job_id, job.attempts)
     if job.attempts > 1:  # a redelivered job starts over: its stream must not mix two attempts
         streams.publish_restart(streams.redis_client(), job_id, job.attempts)
     handle = service.submit(request_id, job.prompt_token_ids or job.prompt, params, job.priority)
     with cancel_watcher().watching(job_id, handle, service.abort):
         _follow(job, handle)
+    return True
 
 
 def _follow(job: Job, handle: RequestHandle) -> None:

@@ -1,4 +1,5 @@
-"""Priority reaches the broker: an urgent job overtakes a backlog of thousands waiting in Redis."""
+"""Priority reaches the broker: an urgent job overtakes a backlog of thousands waiting in Redis; inside a level,
+API keys share the worker: one key's job overtakes another key's backlog."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ def _started_before(job: Job) -> int:
             Job.id != job.id, Job.started_at.is_not(None), Job.started_at < job.started_at)) or 0
 
 
+def _started() -> int:
+    with session_factory()() as session:
+        return session.scalar(select(func.count()).select_from(Job).where(Job.started_at.is_not(None))) or 0
+
+
+def _start_worker(settings: Settings, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], env=settings_env(settings),
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+
 def _count(status: JobStatus) -> int:
     with session_factory()() as session:
         return session.scalar(select(func.count()).select_from(Job).where(Job.status == status)) or 0
@@ -65,8 +76,7 @@ def test_an_urgent_job_overtakes_a_backlog_of_thousands(
     urgent = client.post("/v1/jobs", json={**body, "priority": -1000}, headers=trusted).json()["id"]
     levels = [streams.redis_client().llen(key) for key in queue.broker_queue_keys(queue.JOBS_QUEUE)]
     assert levels[0] == 1 and levels[queue.MIDDLE_LEVEL] == BACKLOG
-    worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], env=settings_env(service_settings),
-                              stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT)
+    worker = _start_worker(service_settings, tmp_path / "worker.log")
     try:
         # stop at the urgent job's end, or once a tenth of the backlog is done (it did not overtake)
         wait_until(lambda: client.get(f"/v1/jobs/{urgent}", headers=trusted).json()["status"] == "succeeded"
@@ -80,3 +90,28 @@ def test_an_urgent_job_overtakes_a_backlog_of_thousands(
     # while the urgent one's thread waits its turn; without broker priority it would come after the whole backlog.
     started_before = _started_before(job)
     assert started_before < 2 * service_settings.max_num_seqs, started_before
+
+
+def test_another_keys_job_overtakes_a_keys_backlog_at_the_same_priority(
+    service_settings: Settings, new_auth_headers: Callable[..., dict[str, str]], tmp_path: Path
+) -> None:
+    client = TestClient(create_app(service_settings))
+    body = {"prompt": "Hi", "max_tokens": 1}
+    flooding, other = new_auth_headers("flooding"), new_auth_headers("other")
+    response = client.post("/v1/jobs/batch", json={"jobs": [body] * CHUNK}, headers=flooding)
+    assert response.status_code == 202, response.text
+    single = client.post("/v1/jobs", json=body, headers=other).json()["id"]
+    started_earlier = _started()  # by the module's earlier test, whose unfinished backlog waits too
+    worker = _start_worker(service_settings, tmp_path / "worker.log")
+    try:
+        wait_until(lambda: client.get(f"/v1/jobs/{single}", headers=other).json()["status"] == "succeeded"
+                   or _started() - started_earlier >= CHUNK // 5, 120, "the single job or a fifth of the backlog")
+    finally:
+        stop(worker)
+    with session_factory()() as session:
+        job = session.get(Job, single)
+        assert job is not None and job.status is JobStatus.succeeded, (job, _started() - started_earlier)
+    # first in first out would start it after every job waiting (2,000 of two keys); fair share within the first
+    # turns of the keys with work waiting, give or take what the worker's threads took with it
+    started_before = _started_before(job) - started_earlier
+    assert started_before < service_settings.max_num_seqs, started_before

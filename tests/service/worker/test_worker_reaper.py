@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 
 from api.app import create_app
-from core import queue, streams
+from core import fair_queue, queue, streams
 from core.db import session_factory
 from core.lifecycle import transition
 from core.models import Job, JobStatus, utcnow
@@ -91,15 +91,48 @@ def test_a_run_taken_away_cannot_record_its_result(fast_reaper: Settings, auth_h
     assert stale is None and _job(job_id).status is JobStatus.running
 
 
-def test_a_queued_job_the_broker_lost_is_reenqueued_once(fast_reaper: Settings, auth_headers: dict[str, str]) -> None:
-    lost, kept = _submit(fast_reaper, auth_headers), _submit(fast_reaper, auth_headers)
-    client = streams.redis_client()
-    broker_lists = queue.broker_queue_keys(queue.JOBS_QUEUE)
-    client.delete(*broker_lists)
-    queue.enqueue_job(kept, priority=-1000)  # a message on another level than the default is found too
-    for job_id in (lost, kept):
+def _age(*job_ids: str) -> None:
+    for job_id in job_ids:
         _set(job_id, created_at=utcnow() - timedelta(hours=1))
+
+
+def _messages() -> int:
+    return sum(streams.redis_client().llen(key) for key in queue.broker_queue_keys(queue.JOBS_QUEUE))
+
+
+def _empty_queue() -> None:
+    """Drop the messages, entries and queued jobs the module's earlier tests left (they ran without a worker)."""
+    streams.redis_client().delete(*queue.broker_queue_keys(queue.JOBS_QUEUE))
+    while fair_queue.pop(queue.MIDDLE_LEVEL) is not None:
+        pass
     with session_factory()() as session:
-        assert reenqueue_lost_jobs(session) == [lost]
+        session.execute(update(Job).where(Job.status == JobStatus.queued).values(status=JobStatus.cancelled))
+        session.commit()
+
+
+def test_a_level_that_lost_messages_gets_as_many_as_it_is_short_once(
+    fast_reaper: Settings, auth_headers: dict[str, str]
+) -> None:
+    _empty_queue()
+    first, second = _submit(fast_reaper, auth_headers), _submit(fast_reaper, auth_headers)
+    streams.redis_client().delete(*queue.broker_queue_keys(queue.JOBS_QUEUE))  # every message lost
+    queue.enqueue_job(second, 0, _job(second).api_key_id)  # one comes back; the entry keeps its place
+    _age(first, second)
+    with session_factory()() as session:
+        assert reenqueue_lost_jobs(session) == [first]  # the oldest waiting job is named
         assert reenqueue_lost_jobs(session) == []
-    assert sum(client.llen(key) for key in broker_lists) == 2
+    assert _messages() == 2 and fair_queue.waiting_count(queue.MIDDLE_LEVEL) == 2
+    assert [fair_queue.pop(queue.MIDDLE_LEVEL), fair_queue.pop(queue.MIDDLE_LEVEL)] == [first, second]
+
+
+def test_a_queued_job_whose_entry_was_taken_but_never_claimed_is_reenqueued_once(
+    fast_reaper: Settings, auth_headers: dict[str, str]
+) -> None:
+    _empty_queue()
+    taken, waiting = _submit(fast_reaper, auth_headers), _submit(fast_reaper, auth_headers)
+    assert fair_queue.pop(queue.MIDDLE_LEVEL) == taken  # a worker took the entry and died before its claim
+    _age(taken, waiting)
+    with session_factory()() as session:
+        assert reenqueue_lost_jobs(session) == [taken]
+        assert reenqueue_lost_jobs(session) == []
+    assert _messages() == 3 and fair_queue.waiting([(queue.MIDDLE_LEVEL, _job(taken).api_key_id, taken)]) == {taken}
