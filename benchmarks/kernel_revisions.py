@@ -15,7 +15,10 @@ import argparse
 import hashlib
 import statistics
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -65,6 +68,19 @@ def resolve_revision(revision: str) -> str:
     if found.returncode != 0:
         raise SystemExit(f"--base: git knows no commit {revision!r} in {REPO_ROOT}")
     return found.stdout.strip()
+
+
+@contextmanager
+def checked_out(commit: str) -> Iterator[Path]:
+    """A temporary git worktree of ``commit`` (detached), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="revision-") as scratch:
+        worktree = Path(scratch) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(worktree), commit], cwd=REPO_ROOT,
+                       check=True)
+        try:
+            yield worktree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO_ROOT, check=False)
 
 
 def _shown(commit: str, path: str) -> str | None:

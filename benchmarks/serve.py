@@ -140,17 +140,26 @@ def engine_share(before: dict[str, float], after: dict[str, float], duration_s: 
             "engine_steps": steps, "engine_rows_per_step": delta["engine_rows"] / steps if steps else 0.0}
 
 
+def checkout_env(source: Path | None) -> dict[str, Any]:
+    """Popen's arguments that make `python -m cli.main` run the checkout `source` (this one when None)."""
+    if source is None:
+        return {}
+    return {"cwd": source, "env": {**os.environ, "PYTHONPATH": str(source)}}
+
+
 @contextmanager
-def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path) -> Iterator[tuple[Target, str]]:
+def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path,
+                  source: Path | None = None) -> Iterator[tuple[Target, str]]:
     """`pagedserve up` on a free port, a fresh data directory and its own embedded Redis, yielded with its worker's
-    metrics URL once the worker has answered a warm-up request; stopped afterwards."""
+    metrics URL once the worker has answered a warm-up request; stopped afterwards. `source`: another checkout
+    to run (first on its PYTHONPATH) instead of this one."""
     port, metrics_port = llama_cpp.free_port(), llama_cpp.free_port()
     command = [sys.executable, "-m", "cli.main", "up", "--model", model, "--port", str(port),
                "--data-dir", str(work_dir / "data"), "--redis-url", f"redis://127.0.0.1:{llama_cpp.free_port()}/0",
                *extra_flags, "--metrics-port", str(metrics_port)]  # last: the counters are read from this port
     log_path = work_dir / "pagedserve-up.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **checkout_env(source))
     try:
         api_key = _poll(lambda: (match := API_KEY_LINE.search(log_path.read_text())) and match.group(1),
                         process, "its API key")

@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -111,24 +110,18 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm.auto import tqdm
 
     from benchmarks.common import machine, print_table, save_bar_chart, write_json
-    from benchmarks.kernel_revisions import resolve_revision
+    from benchmarks.kernel_revisions import checked_out, resolve_revision
 
     base = resolve_revision(args.base)
     rounds: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="step-revisions-") as scratch:
-        worktree = Path(scratch) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(worktree), base], cwd=REPO_ROOT,
-                       check=True)
-        try:
-            sides = {"base": worktree, "head": REPO_ROOT}
-            with tqdm(total=2 * args.rounds, desc="children", unit="run") as progress:
-                for index in range(args.rounds):
-                    order = ["head", "base"] if index % 2 == 0 else ["base", "head"]  # neither always first
-                    for side in order:
-                        rounds.append({"round": index, "side": side, "ms_per_step": child_result(args, sides[side])})
-                        progress.update()
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO_ROOT, check=False)
+    with checked_out(base) as worktree:
+        sides = {"base": worktree, "head": REPO_ROOT}
+        with tqdm(total=2 * args.rounds, desc="children", unit="run") as progress:
+            for index in range(args.rounds):
+                order = ["head", "base"] if index % 2 == 0 else ["base", "head"]  # neither always first
+                for side in order:
+                    rounds.append({"round": index, "side": side, "ms_per_step": child_result(args, sides[side])})
+                    progress.update()
     results = []
     for batch in map(str, args.batches):
         fastest = {side: min(r["ms_per_step"][batch] for r in rounds if r["side"] == side) for side in ("base", "head")}
