@@ -3,6 +3,7 @@ chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -233,34 +234,69 @@ class _JobRelay:
                     yield self._chunk(final_choices(event.job, self.endpoint, self.prompt_index))
 
 
+async def _interleaved(relays: list[_JobRelay]) -> AsyncIterator[tuple[_JobRelay, str | None]]:
+    """Every relay's lines as they come, as (relay, line), and (relay, None) once that relay has ended; an error in
+    a relay is raised here. Plain asyncio tasks and a queue: no cancel scope is held open across this generator's
+    yields, so it may be closed from any task (Starlette's, or the event loop's finalizer)."""
+    lines: asyncio.Queue[tuple[_JobRelay, str | None | Exception]] = asyncio.Queue(maxsize=len(relays))
+
+    async def pump(relay: _JobRelay) -> None:
+        try:
+            async with aclosing(relay.lines()) as relayed:
+                async for line in relayed:
+                    await lines.put((relay, line))
+        except Exception as exc:  # handed to the reader, which raises it as the sequential relay did
+            await lines.put((relay, exc))
+            return
+        await lines.put((relay, None))
+
+    pumps = [asyncio.create_task(pump(relay)) for relay in relays]
+    try:
+        ended = 0
+        while ended < len(relays):
+            relay, line = await lines.get()
+            if isinstance(line, Exception):
+                raise line
+            ended += line is None
+            yield relay, line
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
 async def stream_jobs(
     request: Request, key: ApiKey, jobs: list[Job], model: str, endpoint: str, options: StreamOptions | None,
     sent_as: dict[str, str],
 ) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, one job after another, ending with `data: [DONE]`.
+    """Server-sent events in OpenAI's chunk format, every job's chunks as its tokens come (a list of prompts streams
+    its choices interleaved, as vLLM does), ending with `data: [DONE]`.
 
-    A disconnect cancels the jobs not yet finished; `include_usage` adds a closing usage chunk, and with
-    `continuous_usage_stats` every chunk carries usage too (as vLLM, which needs both).
+    A job whose stream ends with an error chunk ends the response there; a disconnect, or that error, cancels the
+    jobs not yet finished. `include_usage` adds a closing usage chunk, and with `continuous_usage_stats` every chunk
+    carries usage too (as vLLM, which needs both).
     """
     include_usage = options is not None and options.include_usage
     continuous_usage = include_usage and options is not None and options.continuous_usage_stats
+    relays = [_JobRelay(job, prompt_index, jobs[0], model, endpoint, continuous_usage, sent_as)
+              for prompt_index, job in enumerate(jobs)]
     relayed: set[str] = set()
     usages = []
     try:
-        for prompt_index, job in enumerate(jobs):
-            relay = _JobRelay(job, prompt_index, jobs[0], model, endpoint, continuous_usage, sent_as)
-            async for line in relay.lines():
+        async with aclosing(_interleaved(relays)) as lines:
+            async for relay, line in lines:
                 if await request.is_disconnected():
                     return
-                if line != IDLE:
-                    yield line
-            relayed.add(job.id)  # final, or restarted and running on: not to be cancelled
-            if not relay.ok:
-                break
-            usages.append(usage(relay.job))
-        else:
-            if include_usage:
-                yield _data({**chunk(jobs[0], model, endpoint, []), "usage": total_usage(usages)})
+                if line is not None:
+                    if line != IDLE:
+                        yield line
+                    continue
+                relayed.add(relay.job.id)  # final, or restarted and running on: not to be cancelled
+                if not relay.ok:
+                    break
+                usages.append(usage(relay.job))
+        if include_usage and len(usages) == len(relays):
+            yield _data({**chunk(jobs[0], model, endpoint, []), "usage": total_usage(usages)})
         yield "data: [DONE]\n\n"
     finally:
         for job in jobs:
