@@ -18,6 +18,7 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 }
 # the Hugging Face id each built-in model is published under, as `vllm serve <id>` command lines name it
 BUILTIN_HF_IDS: dict[str, str] = {DEFAULT_MODEL: "HuggingFaceTB/SmolLM2-135M-Instruct"}
+FINGERPRINT_BYTES = 1 << 20  # read from each end of a GGUF file to tell one file at a path from another
 
 
 class ModelNotPreparedError(LookupError):
@@ -64,9 +65,22 @@ def builtin_gguf_path(name: str) -> Path:
     return path
 
 
+def gguf_fingerprint(path: Path) -> str:
+    """A digest of a GGUF file's size and its first and last MiB: a file replaced at the same path (new weights,
+    another quantization) gets a conversion of its own, at the cost of reading two MiB, not the whole file."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as file:
+        digest.update(file.read(FINGERPRINT_BYTES))
+        file.seek(max(0, size - FINGERPRINT_BYTES))
+        digest.update(file.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:12]
+
+
 def converted_dir(model: str, cache_root: Path | None = None) -> Path | None:
-    """The cache folder a GGUF model is converted into (named after a built-in, else a hash of the .gguf path);
-    None when ``model`` is not a GGUF. Finding it needs no GGUF file, so the API image ships none."""
+    """The cache folder a GGUF model is converted into (named after a built-in, else after the .gguf file's stem
+    and content, so any host with the same file finds the same folder); None when ``model`` is not a GGUF. Finding
+    a built-in's needs no GGUF file, so the API image ships none."""
     if (name := builtin_name(model)) is not None:
         return cache_dir(cache_root) / name
     if not model.endswith(".gguf"):
@@ -74,8 +88,7 @@ def converted_dir(model: str, cache_root: Path | None = None) -> Path | None:
     path = Path(model).expanduser()
     if not path.is_file():
         raise ValueError(f"model: GGUF file {model!r} does not exist")
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    return cache_dir(cache_root) / f"{path.stem}-{digest}"
+    return cache_dir(cache_root) / f"{path.stem}-{gguf_fingerprint(path)}"
 
 
 def gguf_source(model: str) -> Path:

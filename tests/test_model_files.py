@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from core.model_files import DEFAULT_MODEL, ModelNotPreparedError, cache_dir, prepared_folder
+from core.model_files import (
+    DEFAULT_MODEL,
+    FINGERPRINT_BYTES,
+    ModelNotPreparedError,
+    cache_dir,
+    converted_dir,
+    prepared_folder,
+)
 
 
 def test_cache_dir_expands_home_in_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -30,3 +37,29 @@ def test_a_converted_builtin_is_found_in_the_cache(tmp_path: Path) -> None:
 def test_an_unknown_model_is_a_value_error_naming_it(model: str) -> None:
     with pytest.raises(ValueError, match=model):
         prepared_folder(model)
+
+
+def _gguf(path: Path, middle: bytes, tail: bytes) -> str:
+    """A stand-in GGUF of two MiB and more (nothing reads it as one here): a header, `middle`, and `tail` last."""
+    path.write_bytes(b"GGUF" + bytes(FINGERPRINT_BYTES) + middle + bytes(FINGERPRINT_BYTES) + tail)
+    return str(path)
+
+
+def test_a_gguf_replaced_at_the_same_path_is_converted_anew_and_a_copy_shares_the_conversion(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    model = _gguf(tmp_path / "m.gguf", b"x", b"old weights")
+    first = converted_dir(model, cache)
+    assert first is not None and first.name.startswith("m-")
+    first.mkdir(parents=True)
+    (first / "config.json").write_text("{}")
+    assert prepared_folder(model, cache) == first
+    _gguf(tmp_path / "m.gguf", b"x", b"new weights")  # same size, new weights at the end
+    with pytest.raises(ModelNotPreparedError) as raised:
+        prepared_folder(model, cache)
+    assert raised.value.folder != first
+    _gguf(tmp_path / "m.gguf", b"xy", b"old weights")  # one byte longer
+    assert converted_dir(model, cache) != first
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    _gguf(tmp_path / "m.gguf", b"x", b"old weights")
+    assert converted_dir(_gguf(copy / "m.gguf", b"x", b"old weights"), cache) == first  # another host's copy
