@@ -97,9 +97,13 @@ def waiting_count(level: int) -> int:
 
 
 def waiting(entries: Iterable[tuple[int, str, str]]) -> set[str]:
-    """The job ids among (level, API key id, job id) entries that wait in their key's line at that level."""
+    """The job ids among (level, API key id, job id) entries that wait in their key's line at that level, with the
+    key listed among the level's keys (else no pop reaches the line)."""
     entries = list(entries)
     pipe = streams.redis_client().pipeline(transaction=False)
     for level, api_key_id, job_id in entries:
         pipe.zscore(_line_prefix(level) + api_key_id, job_id)
-    return {job_id for (_, _, job_id), score in zip(entries, pipe.execute()) if score is not None}
+        pipe.zscore(_level_key(level, "keys"), api_key_id)
+    scores = pipe.execute()
+    return {job_id for (_, _, job_id), in_line, listed in zip(entries, scores[::2], scores[1::2])
+            if in_line is not None and listed is not None}

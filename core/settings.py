@@ -107,7 +107,8 @@ class Settings(BaseSettings):
     reconcile_grace_s: float = Field(
         30.0, gt=0, description="queued work missing from the broker this long is re-enqueued")
     # Longer than any job may run: a message is redelivered after this long even while its worker still runs
-    # it (the runner then refuses the second claim while the holder's heartbeat is alive).
+    # its job; redelivered, it is one more run at its level (the next waiting job, or nothing: a job held by a
+    # live worker is never claimed twice).
     broker_visibility_timeout_s: float = Field(
         6 * 3600.0, gt=0,
         description="a job message taken by a worker that died unacknowledged is redelivered after this long")

@@ -27,8 +27,8 @@ ABORTED_OUTPUT_WAIT_S = 5.0  # the engine reports an aborted request's last outp
 
 
 def _claimable_from(job: Job) -> set[JobStatus]:
-    # A running job is claimed again only when the worker that held it is gone (it died mid-job and
-    # Celery redelivered the message); a live holder keeps it, so a job never runs twice at once.
+    # A running job is claimed again only when the worker that held it is gone (it died mid-job and a message fell
+    # to the job: redelivered, or its own message's fallback); a live holder keeps it, so a job never runs twice.
     if job.status is JobStatus.running and job.worker_id and not heartbeat.is_alive(job.worker_id):
         return {JobStatus.running}
     return {JobStatus.queued}
@@ -40,8 +40,12 @@ def _claim(job_id: str) -> Job | None:
         if job is None:
             log_event(logger, "job.missing", job_id=job_id)
             return None
+        claimable = _claimable_from(job)
+        # From running, only the run read here is taken over: if the reaper requeued the job and another worker
+        # claimed it since, that worker's claim stands (same status, other worker and attempt).
+        fence = {"worker_id": job.worker_id, "attempts": job.attempts} if JobStatus.running in claimable else None
         return transition(
-            session, job_id, JobStatus.running, _claimable_from(job),
+            session, job_id, JobStatus.running, claimable, fence,
             started_at=utcnow(), first_token_at=None, attempts=job.attempts + 1,
             worker_id=heartbeat.worker_id(), output=None, error=None,
         )

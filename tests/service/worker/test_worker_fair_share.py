@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from core import fair_queue, queue
+from core import fair_queue, queue, streams
 from core.db import session_factory
 from core.models import Job, JobStatus
 from core.settings import Settings
@@ -68,6 +68,16 @@ def test_an_entry_added_twice_keeps_its_place_and_waiting_names_the_entries_pres
     assert not fair_queue.add(LEVEL, key("g"), "g1", 0)
     assert fair_queue.waiting([(LEVEL, key("g"), "g1"), (LEVEL, key("g"), "g3"), (LEVEL + 1, key("g"), "g2")]) == {"g1"}
     assert _pop_all(LEVEL) == ["g1", "g2"]
+
+
+def test_an_entry_whose_key_is_no_longer_listed_at_its_level_is_not_waiting(
+    service_settings: Settings, key: Callable[[str], str]
+) -> None:
+    fair_queue.add(LEVEL, key("i"), "i1", 0)
+    streams.redis_client().zrem(streams.key("fair", str(LEVEL), "keys"), key("i"))  # Redis lost the listing
+    assert fair_queue.waiting([(LEVEL, key("i"), "i1")]) == set() and fair_queue.pop(LEVEL) is None
+    assert not fair_queue.add(LEVEL, key("i"), "i1", 0)  # re-enqueued by the reconciler: listed again
+    assert fair_queue.waiting([(LEVEL, key("i"), "i1")]) == {"i1"} and _pop_all(LEVEL) == ["i1"]
 
 
 def test_a_negative_priority_rank_is_refused_naming_it(service_settings: Settings, key: Callable[[str], str]) -> None:

@@ -17,7 +17,7 @@ from core.lifecycle import transition
 from core.models import Job, JobStatus, utcnow
 from core.settings import Settings, configure
 from engine import SamplingParams
-from worker import heartbeat
+from worker import heartbeat, runner
 from worker.engine_service import EngineService
 from worker.reaper import Reaper, reenqueue_lost_jobs
 from worker.runner import run_job
@@ -78,6 +78,24 @@ def test_a_live_workers_job_is_never_requeued(fast_reaper: Settings, auth_header
     heartbeat.beat()
     assert job_id not in _two_passes(Reaper())
     assert _job(job_id).status is JobStatus.running
+
+
+def test_a_dead_holders_job_taken_over_meanwhile_is_not_claimed_again(
+    fast_reaper: Settings, auth_headers: dict[str, str], service: EngineService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = _submit(fast_reaper, auth_headers)
+    _set(job_id, status=JobStatus.running, worker_id="ghost:4", attempts=1)
+    claimable_from = runner._claimable_from
+
+    def taken_over_meanwhile(job: Job) -> set[JobStatus]:
+        found = claimable_from(job)  # running: its holder is dead
+        _set(job_id, worker_id="other:5", attempts=2)  # meanwhile the reaper requeued it and another worker claimed it
+        return found
+
+    monkeypatch.setattr(runner, "_claimable_from", taken_over_meanwhile)
+    assert not run_job(job_id, service, SamplingParams)
+    job = _job(job_id)
+    assert (job.status, job.worker_id, job.attempts) == (JobStatus.running, "other:5", 2)
 
 
 def test_a_run_taken_away_cannot_record_its_result(fast_reaper: Settings, auth_headers: dict[str, str]) -> None:
