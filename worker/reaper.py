@@ -41,6 +41,7 @@ class Reaper:
 
     def __init__(self) -> None:
         self._missing_since: dict[str, float] = {}  # worker id → when this reaper first saw its heartbeat gone
+        self._next_lost_jobs_look = 0.0  # monotonic time of the next look for lost jobs
         self._stopping = threading.Event()
 
     def start(self) -> Reaper:
@@ -76,10 +77,19 @@ class Reaper:
         with session_factory()() as session:
             return {
                 "requeued": self.requeue_dead_workers_jobs(session),
-                "reenqueued": reenqueue_lost_jobs(session),
+                "reenqueued": reenqueue_lost_jobs(session) if self._lost_jobs_look_due() else [],
                 "redelivered": reenqueue_overdue_deliveries(session),
                 "batches": batch_progress.refresh_open_batches(session),  # expiries, and finalizations no worker made
             }
+
+    def _lost_jobs_look_due(self) -> bool:
+        # A look reads every job queued longer than the grace period (tens of thousands behind a backlog), and a lost
+        # job waits that long before it counts as lost anyway: look every third of it, not on every pass.
+        now = time.monotonic()
+        if now < self._next_lost_jobs_look:
+            return False
+        self._next_lost_jobs_look = now + get_settings().reconcile_grace_s / 3
+        return True
 
     def _dead_workers(self, worker_ids: set[str]) -> set[str]:
         # Dead = heartbeat missing on two passes at least one beat interval apart, so a Redis restart that

@@ -154,3 +154,18 @@ def test_a_queued_job_whose_entry_was_taken_but_never_claimed_is_reenqueued_once
         assert reenqueue_lost_jobs(session) == [taken]
         assert reenqueue_lost_jobs(session) == []
     assert _messages() == 3 and fair_queue.waiting([(queue.MIDDLE_LEVEL, _job(taken).api_key_id, taken)]) == {taken}
+
+
+def test_a_reaper_looks_for_lost_jobs_once_per_third_of_the_grace_period(
+    fast_reaper: Settings, auth_headers: dict[str, str]
+) -> None:
+    _empty_queue()
+    first, second = _submit(fast_reaper, auth_headers), _submit(fast_reaper, auth_headers)
+    reaper = Reaper()
+    assert fair_queue.pop(queue.MIDDLE_LEVEL) == first
+    _age(first)
+    assert reaper.run_once()["reenqueued"] == [first]
+    assert fair_queue.pop(queue.MIDDLE_LEVEL) == second
+    _age(second)
+    assert reaper.run_once()["reenqueued"] == []  # 10 s of the default 30 s grace have not passed
+    assert Reaper().run_once()["reenqueued"] == [second]
