@@ -52,6 +52,15 @@ while true do
 end
 """
 
+# KEYS: the level's keys-waiting set, the key's line; ARGV: the API key, the job id
+_REMOVE = """
+local removed = redis.call('ZREM', KEYS[2], ARGV[2])
+if removed == 1 and redis.call('ZCARD', KEYS[2]) == 0 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return removed
+"""
+
 # KEYS: the level's keys-waiting set; ARGV: the prefix of the level's lines
 _COUNT = """
 local total = 0
@@ -88,6 +97,14 @@ def pop(level: int) -> str | None:
     keys = [_level_key(level, "keys"), _level_key(level, "served"), streams.key("fair", "serves")]
     job_id = client.register_script(_POP)(keys=keys, args=[_line_prefix(level)])
     return str(job_id) if job_id else None
+
+
+def remove(level: int, api_key_id: str, job_id: str) -> bool:
+    """Take a job out of its key's line at a level (a cancelled job: no message spends its key's turn on it);
+    False if it was not waiting there. A key whose line empties leaves the level, keeping its last-served stamp."""
+    client = streams.redis_client()
+    keys = [_level_key(level, "keys"), _line_prefix(level) + api_key_id]
+    return bool(client.register_script(_REMOVE)(keys=keys, args=[api_key_id, job_id]))
 
 
 def waiting_count(level: int) -> int:

@@ -56,6 +56,8 @@ def _after_transition(job: Job, delivery: WebhookDelivery | None) -> None:
         streams.publish_final(streams.redis_client(), job.id, job.status.value)
         if delivery is not None:
             queue.enqueue_webhook(delivery.id)
+        if job.status is JobStatus.cancelled:  # a queued one waits in its key's line: no turn is spent on it
+            queue.withdraw_job(job.id, job.priority, job.api_key_id)
     except Exception as exc:  # Redis down: the job's state is committed; delivery rows stay pending.
         logger.warning("job.after_transition_failed job_id=%s error=%r", job.id, exc)
 

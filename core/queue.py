@@ -94,6 +94,11 @@ def enqueue_job(job_id: str, priority: int, api_key_id: str) -> None:
     celery_app().send_task(RUN_JOB_TASK, args=[job_id, level], priority=level)
 
 
+def withdraw_job(job_id: str, priority: int, api_key_id: str) -> None:
+    """Take a job that will not run (cancelled) out of its key's line; its message stays, one run at its level."""
+    fair_queue.remove(broker_level(priority), api_key_id, job_id)
+
+
 def enqueue_webhook(delivery_id: str, countdown_s: float = 0.0) -> None:
     """Queue one webhook delivery attempt, optionally after a delay."""
     celery_app().send_task(DELIVER_WEBHOOK_TASK, args=[delivery_id], countdown=countdown_s or None,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
 from api.app import create_app
 from core import fair_queue, queue, streams
@@ -115,14 +116,32 @@ def test_another_keys_job_runs_with_the_next_message_not_after_the_backlog(
     assert {_status(job_id) for job_id in backlog} == {JobStatus.succeeded}
 
 
-def test_a_message_passes_over_entries_of_cancelled_jobs(
+def test_a_cancelled_queued_job_leaves_its_keys_line_and_the_key_leaves_the_level_with_it(
+    service: EngineService, service_settings: Settings, auth_headers: dict[str, str],
+    new_auth_headers: Callable[..., dict[str, str]],
+) -> None:
+    client = TestClient(create_app(service_settings))
+    cancelling = new_auth_headers("cancelling")
+    cancelled, kept = _submit(client, cancelling), _submit(client, auth_headers)
+    assert fair_queue.waiting_count(queue.MIDDLE_LEVEL) == 2
+    assert client.post(f"/v1/jobs/{cancelled}/cancel", headers=cancelling).status_code == 200
+    assert fair_queue.waiting_count(queue.MIDDLE_LEVEL) == 1
+    assert fair_queue.pop(queue.MIDDLE_LEVEL) == kept  # whichever key was due: the cancelling key left the level
+    tasks.run_job(cancelled, queue.MIDDLE_LEVEL)  # its message: nothing waits, and its own job is cancelled
+    tasks.run_job(kept, queue.MIDDLE_LEVEL)  # the popped entry's job still runs through its own message
+    assert _status(kept) is JobStatus.succeeded and _status(cancelled) is JobStatus.cancelled
+
+
+def test_a_message_passes_over_entries_of_jobs_no_longer_queued(
     service: EngineService, service_settings: Settings, auth_headers: dict[str, str],
 ) -> None:
     client = TestClient(create_app(service_settings))
-    cancelled, kept = _submit(client, auth_headers), _submit(client, auth_headers)
-    assert client.post(f"/v1/jobs/{cancelled}/cancel", headers=auth_headers).status_code == 200
-    tasks.run_job(cancelled, queue.MIDDLE_LEVEL)
-    assert _status(kept) is JobStatus.succeeded and _status(cancelled) is JobStatus.cancelled
+    stale, kept = _submit(client, auth_headers), _submit(client, auth_headers)
+    with session_factory()() as session:  # cancelled while Redis was down: its entry stayed in line
+        session.execute(update(Job).where(Job.id == stale).values(status=JobStatus.cancelled))
+        session.commit()
+    tasks.run_job(stale, queue.MIDDLE_LEVEL)
+    assert _status(kept) is JobStatus.succeeded and _status(stale) is JobStatus.cancelled
     tasks.run_job(kept, queue.MIDDLE_LEVEL)  # nothing waits: it falls back to its own job, done already
     assert fair_queue.waiting_count(queue.MIDDLE_LEVEL) == 0
 
