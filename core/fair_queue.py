@@ -14,6 +14,7 @@ reconciler puts back a queued job that has no entry (worker/reaper.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from core import streams
 
@@ -79,38 +80,37 @@ def _line_prefix(level: int) -> str:
     return _level_key(level, "line", "")
 
 
+def _run(script: str, keys: list[str], args: list[Any]) -> Any:
+    """Run one of the Lua scripts above (by its digest once Redis has it)."""
+    return streams.redis_client().register_script(script)(keys=keys, args=args)
+
+
 def add(level: int, api_key_id: str, job_id: str, priority_rank: int) -> bool:
     """Put a job at the end of its key's line at a level (after the key's jobs of lower or equal rank);
     False if it was already waiting there, where it keeps its place. `priority_rank` is 0 or more."""
     if priority_rank < 0:
         raise ValueError(f"priority_rank must be 0 or more, got {priority_rank}")
-    client = streams.redis_client()
     keys = [_level_key(level, "keys"), _line_prefix(level) + api_key_id, _level_key(level, "served"),
             streams.key("fair", "arrivals")]
-    score_base = priority_rank * _ARRIVALS_PER_PRIORITY
-    return bool(client.register_script(_ADD)(keys=keys, args=[api_key_id, job_id, score_base]))
+    return bool(_run(_ADD, keys, [api_key_id, job_id, priority_rank * _ARRIVALS_PER_PRIORITY]))
 
 
 def pop(level: int) -> str | None:
     """Take the next job at a level: the first of the line of the key served least recently; None if none waits."""
-    client = streams.redis_client()
     keys = [_level_key(level, "keys"), _level_key(level, "served"), streams.key("fair", "serves")]
-    job_id = client.register_script(_POP)(keys=keys, args=[_line_prefix(level)])
+    job_id = _run(_POP, keys, [_line_prefix(level)])
     return str(job_id) if job_id else None
 
 
 def remove(level: int, api_key_id: str, job_id: str) -> bool:
     """Take a job out of its key's line at a level (a cancelled job: no message spends its key's turn on it);
     False if it was not waiting there. A key whose line empties leaves the level, keeping its last-served stamp."""
-    client = streams.redis_client()
-    keys = [_level_key(level, "keys"), _line_prefix(level) + api_key_id]
-    return bool(client.register_script(_REMOVE)(keys=keys, args=[api_key_id, job_id]))
+    return bool(_run(_REMOVE, [_level_key(level, "keys"), _line_prefix(level) + api_key_id], [api_key_id, job_id]))
 
 
 def waiting_count(level: int) -> int:
     """How many entries wait at a level, over every key's line."""
-    client = streams.redis_client()
-    return int(client.register_script(_COUNT)(keys=[_level_key(level, "keys")], args=[_line_prefix(level)]))
+    return int(_run(_COUNT, [_level_key(level, "keys")], [_line_prefix(level)]))
 
 
 def waiting(entries: Iterable[tuple[int, str, str]]) -> set[str]:

@@ -40,12 +40,11 @@ def _claim(job_id: str) -> Job | None:
         if job is None:
             log_event(logger, "job.missing", job_id=job_id)
             return None
-        claimable = _claimable_from(job)
-        # From running, only the run read here is taken over: if the reaper requeued the job and another worker
-        # claimed it since, that worker's claim stands (same status, other worker and attempt).
-        fence = {"worker_id": job.worker_id, "attempts": job.attempts} if JobStatus.running in claimable else None
+        # Fenced by the worker and attempt read here: from running, if the reaper requeued the job and another
+        # worker claimed it since, that worker's claim stands (same status, other worker and attempt).
         return transition(
-            session, job_id, JobStatus.running, claimable, fence,
+            session, job_id, JobStatus.running, _claimable_from(job),
+            {"worker_id": job.worker_id, "attempts": job.attempts},
             started_at=utcnow(), first_token_at=None, attempts=job.attempts + 1,
             worker_id=heartbeat.worker_id(), output=None, error=None,
         )
