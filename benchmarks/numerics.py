@@ -1,4 +1,5 @@
-"""Quality and speed of the engine's numerics: exact fp32, oneDNN-packed fp32, fp16 weights, int8 and bf16.
+"""Quality and speed of the engine's numerics: exact fp32, oneDNN-packed fp32, fp16 weights, int8, int8 weights
+only, and bf16.
 
 Quality: the mean change of the log-probability of each token of a fixed text (teacher forced, on
 transformers' model with our layers swapped in) and how many greedy tokens of the engine agree with
@@ -22,8 +23,8 @@ from torch import nn
 from benchmarks.common import cpu_description
 from engine import LLM, SamplingParams
 from engine.model_files import resolve_model
-from engine.models.cpu_packing import Fp16Linear, pack_linear_layers
-from engine.models.quantization import quantize_linear_layers
+from engine.models.cpu_packing import Fp16Linear, pack_linear_layers, replace_linear_layers
+from engine.models.quantization import Int8WeightOnlyLinear, quantize_linear_layers
 from paged_kernels.cpu_features import has_fbgemm_fp16
 
 # variant name -> LLM keyword arguments
@@ -33,6 +34,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "fp16-weights": {"cpu_weight_packing": "fp16"},  # where fbgemm runs (AVX2, F16C, FMA)
     "int8": {"quantization": "int8", "cpu_weight_packing": "onednn"},
     "bf16": {"dtype": "bfloat16"},  # auto's pick where bf16 is fast (AMX, AMD's AVX512-BF16): packed, fused layer ops
+    "bf16-int8-weight-only": {"dtype": "bfloat16", "quantization": "int8_weight_only"},
 }
 FIXED_TEXT = (
     "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades of salt and "
@@ -59,8 +61,10 @@ def hf_variant(folder: Path, variant: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    if variant == "bf16":
+    if variant.startswith("bf16"):
         model = model.to(torch.bfloat16)  # transformers' own bf16 layers: the dtype's cost, not our kernels'
+    if variant == "bf16-int8-weight-only":
+        replace_linear_layers(model, Int8WeightOnlyLinear)  # the LM head too, as in the engine
     elif variant == "int8":
         quantize_linear_layers(model.model)  # the decoder; a tied head stays full precision, as in the engine
     elif variant == "fp32-packed":
@@ -115,7 +119,9 @@ def paired_min_s(runs: dict[str, Callable[[], object]], repeats: int) -> dict[st
 
 def linear_layers_run(llm: LLM, rows: int) -> Callable[[], None]:
     """One pass of ``rows`` random token rows through every linear layer of the engine's model."""
-    layers = [m for m in llm.engine.model.modules() if hasattr(m, "in_features") and not list(m.children())]
+    linear = [m for m in llm.engine.model.modules() if hasattr(m, "in_features")]
+    inner = {id(child) for m in linear for child in m.modules() if child is not m}  # an int8 layer's many_rows
+    layers = [m for m in linear if id(m) not in inner]
     dtype = llm.engine.model.embed_tokens.weight.dtype
     inputs = [torch.randn(rows, layer.in_features, dtype=dtype) for layer in layers]
 

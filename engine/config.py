@@ -22,7 +22,7 @@ _DTYPES = {
 DTYPE_NAMES = ("auto", *_DTYPES)  # what `dtype` accepts as a name (the service's setting lists the same)
 PREEMPTION_MODES = ("swap", "recompute")
 WEIGHT_PACKING_MODES = ("auto", "onednn", "fp16", "exact", "off")
-QUANTIZATION_MODES = ("int8",)
+QUANTIZATION_MODES = ("int8", "int8_weight_only")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -92,7 +92,9 @@ class EngineConfig:
     # oneDNN-prepacked linear weights on the CPU: "auto" packs fp32 and bf16 (fastest; fp32 differs from
     # transformers' MKL path by rounding), "exact" packs bf16 only (token-exact with transformers), "off"
     cpu_weight_packing: str = "auto"
-    # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); None: none
+    # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); "int8_weight_only": int8
+    # weights, activations in the model's dtype, read by a compiled kernel at up to 4 rows (CPU only; holds the
+    # dequantized weights too, for more rows); None: none
     quantization: str | None = None
     # decode runs from CUDA graphs captured at start for batches up to cuda_graph_max_batch (padded to
     # 1, 2, 4, 8, 16, ...); True keeps every step eager. The CPU never captures.

@@ -11,7 +11,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from engine.models.cpu_packing import pack_linear_layers, packed_layer_type
 from engine.models.llama import FUSED_DTYPES, LlamaForCausalLM
-from engine.models.quantization import quantize_linear_layers
+from engine.models.quantization import quantize_linear_layers, quantize_weights_only
 from paged_kernels.backend import KernelBackend
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
@@ -79,6 +79,8 @@ def load_model(
     model = model.to(device).eval()
     if quantization == "int8":
         quantize_linear_layers(model)
+    elif quantization == "int8_weight_only":
+        quantize_weights_only(model)
     layer_type = packed_layer_type(dtype, device, weight_packing)
     if layer_type is not None:
         pack_linear_layers(model, layer_type)

@@ -1,18 +1,29 @@
-"""int8 linear layers on the CPU: int8 weights per output channel, int8 activations per token.
+"""int8 linear layers on the CPU, two ways (``EngineConfig.quantization``).
 
-Weights are quantized once with torchao's affine primitives; the matmul runs oneDNN's int8 linear
-(``onednn::qlinear_pointwise``, the kernel torchao's x86 PT2E path lowers to). torchao's eager int8
-configs do not speed up a CPU here (torchao 0.18, torch 2.13): ``Int8WeightOnlyConfig`` dequantizes the
-whole weight on every call (0.5-0.9x fp32) and ``Int8DynamicActivationInt8WeightConfig`` runs
-``torch._int_mm``'s CPU fallback (14-50x slower). ``torch.ao``'s fbgemm dynamic linear is deprecated.
+``"int8"``: int8 weights per output channel and int8 activations per token. Weights are quantized once with
+torchao's affine primitives; the matmul runs oneDNN's int8 linear (``onednn::qlinear_pointwise``, the kernel
+torchao's x86 PT2E path lowers to). torchao's eager int8 configs do not speed up a CPU here (torchao 0.18,
+torch 2.13): ``Int8WeightOnlyConfig`` dequantizes the whole weight on every call (0.5-0.9x fp32) and
+``Int8DynamicActivationInt8WeightConfig`` runs ``torch._int_mm``'s CPU fallback (14-50x slower). ``torch.ao``'s
+fbgemm dynamic linear is deprecated.
+
+``"int8_weight_only"``: int8 weights per output channel, activations in the model's dtype. A decode step of a few
+rows is bound by reading the weights, and no library kernel reads int8 weights at memory speed at so few rows
+(torch's ``_weight_int8pack_mm``, which torchao's weight-only path calls, ran a SmolLM2 step's linears at
+0.51-0.97x bf16's speed at 1 row), so those rows take our compiled kernel (``paged_kernels/csrc/int8_linear_cpu.cpp``).
+More rows (prefill, larger batches) are compute-bound, where oneDNN's bf16 GEMM is the faster: they multiply the
+same quantized weights dequantized to the model's dtype, held as a second copy.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.models.cpu_packing import replace_linear_layers
+from engine.models.llama import LlamaForCausalLM
+from paged_kernels.cpu_extension import cpu_kernels
 
 # Weights use 7 bits: on x86 without VNNI, oneDNN multiplies u8 activations by s8 weights in pairs
 # summed into int16, which saturates at 255 * 127 * 2 but not at 255 * 63 * 2. Keeping activations at
@@ -20,19 +31,45 @@ from engine.models.cpu_packing import replace_linear_layers
 _WEIGHT_MAX = 63
 _ACTIVATION_MAX = 127
 _ACTIVATION_ZERO_POINT = 128
+# int8_weight_only: the most rows a call multiplies from the int8 weights; measured on a Zen 4 EPYC (2 vCPUs), a
+# SmolLM2 step's linears at 1 / 2 / 4 / 8 rows took 0.32 / 0.42 / 0.83 / 1.3x the time of oneDNN's packed bf16
+INT8_KERNEL_MAX_ROWS = 4
+GROUP_SIZE = 32  # weights per scale, as llama.cpp's Q8_0 (SmolLM2 in bf16: mean |log-prob change| 0.054 nats
+# per token from exact fp32 with groups of 32, 0.095 with one scale per row; bf16 alone 0.038)
+
+
+def _quantize_symmetric(weight: torch.Tensor, group: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 ``(qdata, scale [out, in / group])`` of a ``[out, in]`` weight within +-``qmax``, one fp32
+    scale per ``group`` weights of a row (``in`` a multiple of ``group``)."""
+    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
+
+    block_size = (1, group)
+    weight = weight.detach().float()
+    scale, zero_point = choose_qparams_affine(
+        weight, MappingType.SYMMETRIC, block_size, torch.int8, -qmax, qmax, scale_dtype=torch.float32,
+    )
+    qdata = quantize_affine(weight, block_size, scale, zero_point, torch.int8, -qmax, qmax)
+    return qdata, scale.reshape(weight.shape[0], -1)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric 7-bit ``(qdata, scale)`` of a ``[out, in]`` weight in int8, one fp32 scale per output row."""
-    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
-
-    block_size = (1, weight.shape[1])
-    weight = weight.detach().float()
-    scale, zero_point = choose_qparams_affine(
-        weight, MappingType.SYMMETRIC, block_size, torch.int8, -_WEIGHT_MAX, _WEIGHT_MAX, scale_dtype=torch.float32,
-    )
-    qdata = quantize_affine(weight, block_size, scale, zero_point, torch.int8, -_WEIGHT_MAX, _WEIGHT_MAX)
+    qdata, scale = _quantize_symmetric(weight, weight.shape[1], _WEIGHT_MAX)
     return qdata, scale.reshape(-1)
+
+
+def quantize_weight_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 8-bit ``(qdata [out, in], scale [out, ceil(in / GROUP_SIZE)])`` of a ``[out, in]`` weight, one fp32
+    scale per ``GROUP_SIZE`` weights of a row (the last group of a row may be shorter)."""
+    in_features = weight.shape[1]
+    padded = F.pad(weight.detach().float(), (0, -in_features % GROUP_SIZE))  # zeros change no group's maximum
+    qdata, scale = _quantize_symmetric(padded, GROUP_SIZE, 127)
+    return qdata[:, :in_features].contiguous(), scale
+
+
+def dequantize_weight_groups(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``[out, in]`` weight that ``quantize_weight_groups``'s ``(qdata, scale)`` stand for."""
+    return qdata.float() * scale.repeat_interleave(GROUP_SIZE, dim=1)[:, :qdata.shape[1]]
 
 
 class Int8Linear(nn.Module):
@@ -61,6 +98,47 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*hidden.shape[:-1], self.out_features).to(hidden.dtype)
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` quantized to int8, one scale per ``GROUP_SIZE`` weights of an output channel (as
+    llama.cpp's Q8_0), and ``x`` kept in the model's dtype (summed in fp32). Up to ``INT8_KERNEL_MAX_ROWS`` rows the
+    compiled kernel reads the int8 weights; more rows run ``many_rows``, an ``nn.Linear`` over the same quantized
+    weights dequantized to the model's dtype (which weight packing then replaces by its packed layer)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        kernels = cpu_kernels()
+        if kernels is None:
+            raise RuntimeError("quantization='int8_weight_only' needs the CPU's compiled kernels, which could not be "
+                               "built here (see the warning above); use quantization=None")
+        self.kernels = kernels
+        self.out_features, self.in_features = weight.shape
+        qdata, scale = quantize_weight_groups(weight)
+        self.packed_weight, self.packed_scale = kernels.int8_pack_weight(qdata, scale)
+        self.fp32_bias = torch.empty(0) if bias is None else bias.detach().float().contiguous()
+        self.many_rows = nn.Linear(self.in_features, self.out_features, bias=bias is not None, dtype=weight.dtype)
+        with torch.no_grad():
+            self.many_rows.weight.copy_(dequantize_weight_groups(qdata, scale))
+            if bias is not None:
+                self.many_rows.bias.copy_(bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, self.in_features)
+        if rows.shape[0] > INT8_KERNEL_MAX_ROWS:
+            return self.many_rows(hidden)
+        out = self.kernels.int8_linear(rows, self.packed_weight, self.packed_scale, self.fp32_bias, self.out_features)
+        return out.reshape(*hidden.shape[:-1], self.out_features)
+
+
+def quantize_weights_only(model: LlamaForCausalLM) -> int:
+    """Replace every ``nn.Linear`` of ``model`` and its LM head (tied: a copy of the embedding; lookups keep the
+    embedding in full precision) by an ``Int8WeightOnlyLinear``; returns how many were replaced."""
+    count = replace_linear_layers(model, Int8WeightOnlyLinear)
+    if model.lm_head is None:
+        model.lm_head = Int8WeightOnlyLinear(model.embed_tokens.weight, None)
+        count += 1
+    return count
 
 
 def quantize_linear_layers(model: nn.Module) -> int:

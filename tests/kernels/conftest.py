@@ -13,6 +13,9 @@ from types import ModuleType
 import pytest
 import torch
 
+from paged_kernels.cpu_extension import SOURCES, build_kernels
+from paged_kernels.cpu_features import cpu_flags
+
 CUDA = torch.cuda.is_available()
 if not CUDA:
     # Must be set before any @triton.jit body is defined, i.e. before paged_kernels.triton_ops loads.
@@ -98,3 +101,16 @@ def triton_ops() -> ModuleType:
     from paged_kernels import triton_ops
 
     return triton_ops
+
+
+# x86-64-v3: AVX2, FMA and F16C without AVX-512 (the compiled kernels' paths for machines without AVX-512)
+AVX2_FLAGS = {"avx2", "fma", "f16c"}
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels() -> ModuleType:
+    """The CPU kernels built for AVX2 alone: a machine with AVX-512 builds its own kind with -march=native, so
+    without this build its tests would never run the AVX2 code."""
+    if not AVX2_FLAGS <= cpu_flags():
+        pytest.skip(f"the CPU lacks {sorted(AVX2_FLAGS - cpu_flags())}")
+    return build_kernels("pagedserve_cpu_kernels_x86_64_v3_test", [s.read_text() for s in SOURCES], "x86-64-v3")

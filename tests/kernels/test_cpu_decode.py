@@ -9,11 +9,7 @@ import torch
 
 from paged_kernels import cpu_ops, reference, select_backend
 from paged_kernels.checks import HostTables
-from paged_kernels.cpu_extension import SOURCES, build_kernels, cpu_kernels
-from paged_kernels.cpu_features import cpu_flags
-
-# x86-64-v3: AVX2, FMA and F16C without AVX-512 (the kernels' one-head-per-pass path and their AVX2 conversions)
-AVX2_FLAGS = {"avx2", "fma", "f16c"}
+from paged_kernels.cpu_extension import cpu_kernels
 
 
 def naive_decode(query, key_cache, value_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
@@ -96,15 +92,6 @@ def test_reduced_precision_caches_decode_compiled(
     assert out.dtype == dtype
     expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
-
-
-@pytest.fixture(scope="module")
-def avx2_kernels() -> ModuleType:
-    """The kernels built for AVX2 alone: a machine with AVX-512 builds its own kind with -march=native, so without
-    this build its tests would never run the AVX2 code."""
-    if not AVX2_FLAGS <= cpu_flags():
-        pytest.skip(f"the CPU lacks {sorted(AVX2_FLAGS - cpu_flags())}")
-    return build_kernels("pagedserve_cpu_kernels_x86_64_v3_test", [s.read_text() for s in SOURCES], "x86-64-v3")
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])

@@ -1,0 +1,105 @@
+"""The CPU's int8-weight linear (``int8_pack_weight`` + ``int8_linear``) equals the fp32 product with the dequantized
+weight (one scale per 32 weights of a row), in the machine's own build and in the AVX2 build, at any row count and
+any layer shape."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from paged_kernels.cpu_extension import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def native_kernels() -> ModuleType:
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
+    return kernels
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernels(request: pytest.FixtureRequest) -> ModuleType:
+    return request.getfixturevalue(f"{request.param}_kernels")
+
+
+def random_weight(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 weights and one random scale per 32 of them (the last group of a row may be shorter)."""
+    qdata = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    return qdata, torch.rand(out_features, -(-in_features // 32)) / 100
+
+
+def expected_linear(
+    rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """rows @ dequantized^T + bias, in fp64, with the dequantized weight built element by element."""
+    weight = torch.empty(qdata.shape, dtype=torch.float64)
+    for k in range(qdata.shape[1]):
+        weight[:, k] = qdata[:, k].double() * scale[:, k // 32].double()
+    out = rows.double() @ weight.T
+    return out if bias is None else out + bias.double()
+
+
+# shapes off the kernel's blocks: outputs not a multiple of 4, features not a multiple of 16
+SHAPES = [(1, 16), (5, 37), (67, 100), (256, 576)]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 9])
+def test_int8_linear_is_the_product_with_the_dequantized_weight(
+    kernels: ModuleType, out_features: int, in_features: int, num_rows: int,
+) -> None:
+    torch.manual_seed(out_features * 1000 + in_features + num_rows)
+    qdata, scale = random_weight(out_features, in_features)
+    bias = torch.randn(out_features)
+    rows = torch.randn(num_rows, in_features)
+    packed, packed_scale = kernels.int8_pack_weight(qdata, scale)
+    for with_bias in (bias, None):
+        got = kernels.int8_linear(rows, packed, packed_scale, torch.empty(0) if with_bias is None else with_bias,
+                                  out_features)
+        assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
+        expected = expected_linear(rows, qdata, scale, with_bias)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_rows_are_summed_in_fp32_and_rounded_once(kernels: ModuleType, dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    qdata, scale = random_weight(40, 96)
+    rows = torch.randn(3, 96).to(dtype)
+    got = kernels.int8_linear(rows, *kernels.int8_pack_weight(qdata, scale), torch.empty(0), 40)
+    assert got.dtype == dtype
+    expected = expected_linear(rows.float(), qdata, scale, None).float()
+    # one rounding of an fp32 sum: within one unit in the last place of the dtype
+    torch.testing.assert_close(got.float(), expected, rtol=torch.finfo(dtype).eps, atol=1e-6)
+
+
+def test_a_packed_weight_pads_its_blocks_with_zeros(native_kernels: ModuleType) -> None:
+    qdata, scale = random_weight(5, 37)
+    packed, packed_scale = native_kernels.int8_pack_weight(qdata, scale)
+    assert packed.shape == (2, 4, 4, 16) and packed.dtype == torch.int8
+    unpacked = packed.permute(0, 2, 1, 3).reshape(8, 64)
+    assert torch.equal(unpacked[:5, :37], qdata)
+    assert not unpacked[5:].any() and not unpacked[:, 37:].any()
+    assert packed_scale.shape == (2, 2, 4)
+    unpacked_scale = packed_scale.permute(0, 2, 1).reshape(8, 2)
+    assert torch.equal(unpacked_scale[:5], scale) and not unpacked_scale[5:].any()
+
+
+def test_bad_arguments_are_named(native_kernels: ModuleType) -> None:
+    qdata, scale = random_weight(8, 32)
+    packed, packed_scale = native_kernels.int8_pack_weight(qdata, scale)
+    rows = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="packed must be int8_pack_weight's layout"):
+        native_kernels.int8_linear(torch.randn(2, 48), packed, packed_scale, torch.empty(0), 8)
+    with pytest.raises(RuntimeError, match="packed must be int8_pack_weight's layout"):
+        native_kernels.int8_linear(rows, packed, packed_scale, torch.empty(0), 12)
+    with pytest.raises(RuntimeError, match="packed_scale must be int8_pack_weight's scales"):
+        native_kernels.int8_linear(rows, packed, packed_scale.double(), torch.empty(0), 8)
+    with pytest.raises(RuntimeError, match="bias must be empty or 8"):
+        native_kernels.int8_linear(rows, packed, packed_scale, torch.rand(7), 8)
+    with pytest.raises(RuntimeError, match="weight must be 2-D int8"):
+        native_kernels.int8_pack_weight(qdata.float(), scale)
+    with pytest.raises(RuntimeError, match=r"scale must be fp32 \[8, 1\]"):
+        native_kernels.int8_pack_weight(qdata, torch.rand(8, 2))
