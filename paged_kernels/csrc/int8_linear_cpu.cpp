@@ -29,9 +29,15 @@ int64_t groups_of(int64_t in) { return (in + kGroup - 1) / kGroup; }
 int64_t blocks_of(int64_t out) { return (out + kBlockOutputs - 1) / kBlockOutputs; }
 
 #ifdef __AVX512F__
+// Up to 2 rows a group's products are summed unscaled and scaled once per group (one multiply per 32 weights, not
+// per 16: at 1 row the widening and scaling are the time); more rows scale each 16 weights once for all rows, as
+// partial sums for 4 outputs x 3-4 rows would not fit in the 32 vector registers beside the accumulators.
+template <int64_t R>
+constexpr bool kPartialSums = R <= 2;
+
 // out[r, n] = dot(x[r], w[n] * scale[n]) + bias[n] for R rows and the output blocks [begin, end): each 16 weights
-// are widened to fp32 (vpmovsxbd, vcvtdq2ps) and scaled once, then multiplied into all R rows; masked loads take
-// the rows' last features (the packed weights are zero past them)
+// are widened to fp32 (vpmovsxbd, vcvtdq2ps) once, then multiplied into all R rows; masked loads take the rows'
+// last features (the packed weights are zero past them)
 template <int64_t R, typename scalar_t>
 void linear_rows(const float* x, int64_t in, const int8_t* w, const float* scales, const float* bias,
                  scalar_t* out, int64_t out_features, int64_t begin, int64_t end) {
@@ -40,12 +46,15 @@ void linear_rows(const float* x, int64_t in, const int8_t* w, const float* scale
     const int8_t* weights = w + block * groups * kChunksPerGroup * kBlockOutputs * kChunk;
     const float* block_scales = scales + block * groups * kBlockOutputs;
     __m512 acc[kBlockOutputs * R];
+    __m512 partial[kBlockOutputs * R];  // one group's unscaled sums (kPartialSums)
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kBlockOutputs * R; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       __m512 scale[kBlockOutputs];
 #pragma GCC unroll 4
       for (int64_t j = 0; j < kBlockOutputs; ++j) scale[j] = _mm512_set1_ps(block_scales[g * kBlockOutputs + j]);
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < kBlockOutputs * R; ++i) partial[i] = _mm512_setzero_ps();
 #pragma GCC unroll 2
       for (int64_t h = 0; h < kChunksPerGroup; ++h, weights += kBlockOutputs * kChunk) {
         const int64_t k = g * kGroup + h * kChunk;
@@ -57,9 +66,24 @@ void linear_rows(const float* x, int64_t in, const int8_t* w, const float* scale
 #pragma GCC unroll 4
         for (int64_t j = 0; j < kBlockOutputs; ++j) {
           const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weights + j * kChunk));
-          const __m512 wf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed)), scale[j]);
+          const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed));
+          if constexpr (kPartialSums<R>) {
 #pragma GCC unroll 4
-          for (int64_t r = 0; r < R; ++r) acc[j * R + r] = _mm512_fmadd_ps(wf, rows[r], acc[j * R + r]);
+            for (int64_t r = 0; r < R; ++r) partial[j * R + r] = _mm512_fmadd_ps(wf, rows[r], partial[j * R + r]);
+          } else {
+            const __m512 scaled = _mm512_mul_ps(wf, scale[j]);
+#pragma GCC unroll 4
+            for (int64_t r = 0; r < R; ++r) acc[j * R + r] = _mm512_fmadd_ps(scaled, rows[r], acc[j * R + r]);
+          }
+        }
+      }
+      if constexpr (kPartialSums<R>) {
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < kBlockOutputs; ++j) {
+#pragma GCC unroll 4
+          for (int64_t r = 0; r < R; ++r) {
+            acc[j * R + r] = _mm512_fmadd_ps(partial[j * R + r], scale[j], acc[j * R + r]);
+          }
         }
       }
     }
