@@ -93,8 +93,8 @@ class EngineConfig:
     # transformers' MKL path by rounding), "exact" packs bf16 only (token-exact with transformers), "off"
     cpu_weight_packing: str = "auto"
     # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); "int8_weight_only": int8
-    # weights, activations in the model's dtype, read by a compiled kernel at up to 4 rows (CPU only; holds the
-    # dequantized weights too, for more rows); None: none
+    # weights, activations in the model's dtype, read by a compiled kernel at up to 4 rows, 2 without AVX-512 (CPU
+    # only; holds the dequantized weights too, for more rows); None: none
     quantization: str | None = None
     # decode runs from CUDA graphs captured at start for batches up to cuda_graph_max_batch (padded to
     # 1, 2, 4, 8, 16, ...); True keeps every step eager. The CPU never captures.

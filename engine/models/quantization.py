@@ -7,12 +7,13 @@ torch 2.13): ``Int8WeightOnlyConfig`` dequantizes the whole weight on every call
 ``Int8DynamicActivationInt8WeightConfig`` runs ``torch._int_mm``'s CPU fallback (14-50x slower). ``torch.ao``'s
 fbgemm dynamic linear is deprecated.
 
-``"int8_weight_only"``: int8 weights per output channel, activations in the model's dtype. A decode step of a few
-rows is bound by reading the weights, and no library kernel reads int8 weights at memory speed at so few rows
-(torch's ``_weight_int8pack_mm``, which torchao's weight-only path calls, ran a SmolLM2 step's linears at
-0.51-0.97x bf16's speed at 1 row), so those rows take our compiled kernel (``paged_kernels/csrc/int8_linear_cpu.cpp``).
-More rows (prefill, larger batches) are compute-bound, where oneDNN's bf16 GEMM is the faster: they multiply the
-same quantized weights dequantized to the model's dtype, held as a second copy.
+``"int8_weight_only"``: int8 weights, one scale per 32 of a row, activations in the model's dtype. A decode
+step of a few rows is bound by reading the weights, and no library kernel reads int8 weights at memory speed at
+so few rows (torch's ``_weight_int8pack_mm``, which torchao's weight-only path calls, ran a SmolLM2 step's linears
+at 0.51-0.97x bf16's speed at 1 row), so those rows take our compiled kernel
+(``paged_kernels/csrc/int8_linear_cpu.cpp``). More rows (prefill, larger batches) are compute-bound, where
+oneDNN's bf16 GEMM (or fbgemm's fp16 one) is the faster: they multiply the same quantized weights dequantized to
+the model's dtype, held as a second copy.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from engine.models.cpu_packing import replace_linear_layers
 from engine.models.llama import LlamaForCausalLM
 from paged_kernels.cpu_extension import cpu_kernels
+from paged_kernels.cpu_features import cpu_flags
 
 # Weights use 7 bits: on x86 without VNNI, oneDNN multiplies u8 activations by s8 weights in pairs
 # summed into int16, which saturates at 255 * 127 * 2 but not at 255 * 63 * 2. Keeping activations at
@@ -31,9 +33,11 @@ from paged_kernels.cpu_extension import cpu_kernels
 _WEIGHT_MAX = 63
 _ACTIVATION_MAX = 127
 _ACTIVATION_ZERO_POINT = 128
-# int8_weight_only: the most rows a call multiplies from the int8 weights; measured on a Zen 4 EPYC (2 vCPUs), a
-# SmolLM2 step's linears at 1 / 2 / 4 / 8 rows took 0.32 / 0.42 / 0.83 / 1.3x the time of oneDNN's packed bf16
-INT8_KERNEL_MAX_ROWS = 4
+# int8_weight_only: the most rows a call multiplies from the int8 weights. On a Zen 4 EPYC (2 vCPUs) a SmolLM2
+# step's linears at 1 / 2 / 4 / 8 rows took 0.32 / 0.42 / 0.83 / 1.3x the time of oneDNN's packed bf16; the AVX2
+# build there (the kernel's path without AVX-512) took 5.0 / 5.9 / 11.0 ms at 1 / 2 / 4 rows against 8.7 / 8.7 /
+# 9.2 ms for fbgemm's fp16 weights, the many-rows layers of such CPUs.
+INT8_KERNEL_MAX_ROWS = 4 if "avx512f" in cpu_flags() else 2
 GROUP_SIZE = 32  # weights per scale, as llama.cpp's Q8_0 (SmolLM2 in bf16: mean |log-prob change| 0.054 nats
 # per token from exact fp32 with groups of 32, 0.095 with one scale per row; bf16 alone 0.038)
 
