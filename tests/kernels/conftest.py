@@ -6,6 +6,7 @@ Interpreter time grows with (programs x loop iterations), so the cases stay tiny
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -114,3 +115,11 @@ def avx2_kernels() -> ModuleType:
     if not AVX2_FLAGS <= cpu_flags():
         pytest.skip(f"the CPU lacks {sorted(AVX2_FLAGS - cpu_flags())}")
     return build_kernels("pagedserve_cpu_kernels_x86_64_v3_test", [s.read_text() for s in SOURCES], "x86-64-v3")
+
+
+@pytest.fixture(scope="session")
+def baseline_kernels() -> ModuleType:
+    """The CPU kernels built for x86-64's baseline (SSE2): the plain-loop paths that CPUs without AVX2 run."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the baseline build is x86-64's; this machine is {platform.machine()}")
+    return build_kernels("pagedserve_cpu_kernels_x86_64_test", [s.read_text() for s in SOURCES], "x86-64")

@@ -1,6 +1,6 @@
 """The CPU's int8-weight linear (``int8_pack_weight`` + ``int8_linear``) equals the fp32 product with the dequantized
-weight (one scale per 32 weights of a row), in the machine's own build and in the AVX2 build, at any row count and
-any layer shape."""
+weight (one scale per 32 weights of a row), in the machine's own build, the AVX2 build and the baseline x86-64 build
+(plain loops), at any row count and any layer shape."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def native_kernels() -> ModuleType:
     return kernels
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=["native", "avx2", "baseline"])
 def kernels(request: pytest.FixtureRequest) -> ModuleType:
     return request.getfixturevalue(f"{request.param}_kernels")
 
