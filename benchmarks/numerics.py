@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from torch import nn
 from benchmarks.common import cpu_description
 from engine import LLM, SamplingParams
 from engine.model_files import resolve_model
+from engine.models import quantization
 from engine.models.cpu_packing import Fp16Linear, pack_linear_layers, replace_linear_layers
 from engine.models.quantization import Int8WeightOnlyLinear, quantize_linear_layers
 from paged_kernels.cpu_features import has_fbgemm_fp16
@@ -160,12 +163,26 @@ def machine() -> str:
     return f"{cpu['cpu_model']}, {torch.get_num_threads()} threads, flags: {' '.join(cpu['cpu_flags'])}; {load}"
 
 
+@contextmanager
+def int8_kernel_for_every_row() -> Iterator[None]:
+    """``int8_weight_only``'s compiled kernel for every call, whatever its rows, so that quality measures the kernel's
+    arithmetic: a teacher-forced text and a batch of prompts would otherwise take the layers for many rows, whose
+    dequantized weights are rounded to the model's dtype."""
+    saved = quantization.INT8_KERNEL_MAX_ROWS
+    quantization.INT8_KERNEL_MAX_ROWS = sys.maxsize
+    try:
+        yield
+    finally:
+        quantization.INT8_KERNEL_MAX_ROWS = saved
+
+
 def print_quality(folder: Path, llms: dict[str, LLM], max_tokens: int) -> None:
     """Each fast variant's log-prob change on the fixed text and its greedy agreement with exact fp32."""
     reference = greedy_tokens(llms["fp32-plain"], PROMPTS, max_tokens)
     for name in [name for name in llms if name != "fp32-plain"]:
-        mean, mean_abs = logprob_change(folder, name)
-        agree = agreement(greedy_tokens(llms[name], PROMPTS, max_tokens), reference)
+        with int8_kernel_for_every_row():
+            mean, mean_abs = logprob_change(folder, name)
+            agree = agreement(greedy_tokens(llms[name], PROMPTS, max_tokens), reference)
         print(f"{name}: log-prob change vs exact fp32 mean {mean:+.4f}, mean |.| {mean_abs:.4f} nats/token; "
               f"greedy agreement {agree:.3f} over {len(PROMPTS)} prompts x {max_tokens} tokens")
 

@@ -50,8 +50,8 @@ class Settings(BaseSettings):
     quantization: Literal["int8", "int8_weight_only"] | None = Field(
         None, description="int8 = int8 weights and activations in the linear layers (CPU; faster, small quality cost); "
         "int8_weight_only = int8 weights read by a compiled kernel in decode steps of up to 4 rows (2 without "
-        "AVX-512), the fastest at 1-4 in flight (CPU with a C++ compiler; holds the weights dequantized too, for "
-        "larger steps)")
+        "AVX-512): the fastest at that many in flight (CPU with a C++ compiler; holds the weights dequantized too, "
+        "for larger steps)")
     max_model_len: int | None = Field(None, ge=1, description="context length (default: the model's own)")
     enforce_eager: bool = Field(
         False, description="run every step eagerly: no CUDA graphs (on CUDA, decode batches up to "

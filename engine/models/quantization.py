@@ -108,7 +108,9 @@ class Int8WeightOnlyLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` quantized to int8, one scale per ``GROUP_SIZE`` weights of an output channel (as
     llama.cpp's Q8_0), and ``x`` kept in the model's dtype (summed in fp32). Up to ``INT8_KERNEL_MAX_ROWS`` rows the
     compiled kernel reads the int8 weights; more rows run ``many_rows``, an ``nn.Linear`` over the same quantized
-    weights dequantized to the model's dtype (which weight packing then replaces by its packed layer)."""
+    weights dequantized to the model's dtype (which weight packing then replaces by its packed layer). The two agree
+    up to that rounding (bf16 keeps 8 significant bits of each dequantized weight; the kernel multiplies it in fp32),
+    so a sequence's tokens can depend on how many rows its steps had."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -121,7 +123,8 @@ class Int8WeightOnlyLinear(nn.Module):
         qdata, scale = quantize_weight_groups(weight)
         self.packed_weight, self.packed_scale = kernels.int8_pack_weight(qdata, scale)
         self.fp32_bias = torch.empty(0) if bias is None else bias.detach().float().contiguous()
-        self.many_rows = nn.Linear(self.in_features, self.out_features, bias=bias is not None, dtype=weight.dtype)
+        self.many_rows = torch.nn.utils.skip_init(  # no random init: the weights are copied in next
+            nn.Linear, self.in_features, self.out_features, bias=bias is not None, dtype=weight.dtype)
         with torch.no_grad():
             self.many_rows.weight.copy_(dequantize_weight_groups(qdata, scale))
             if bias is not None:
@@ -131,7 +134,8 @@ class Int8WeightOnlyLinear(nn.Module):
         rows = hidden.reshape(-1, self.in_features)
         if rows.shape[0] > INT8_KERNEL_MAX_ROWS:
             return self.many_rows(hidden)
-        out = self.kernels.int8_linear(rows, self.packed_weight, self.packed_scale, self.fp32_bias, self.out_features)
+        out = self.kernels.int8_linear(rows, self.packed_weight, self.packed_scale, self.fp32_bias, self.in_features,
+                                       self.out_features)
         return out.reshape(*hidden.shape[:-1], self.out_features)
 
 

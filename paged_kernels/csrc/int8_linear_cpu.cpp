@@ -180,12 +180,19 @@ std::tuple<torch::Tensor, torch::Tensor> int8_pack_weight(torch::Tensor weight, 
           padded_scale.view({blocks, kBlockOutputs, groups}).permute({0, 2, 1}).contiguous()};
 }
 
-// input [T, in] (fp32, bf16 or fp16) times the [out_features, in] int8 weight packed by int8_pack_weight, plus fp32
-// bias [out_features] (an empty tensor: none) -> [T, out_features] in the input's dtype
+// input [T, in_features] (fp32, bf16 or fp16) times the [out_features, in_features] int8 weight packed by
+// int8_pack_weight, plus fp32 bias [out_features] (an empty tensor: none) -> [T, out_features] in the input's dtype
 torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor packed_scale, torch::Tensor bias,
-                          int64_t out_features) {
+                          int64_t in_features, int64_t out_features) {
   TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, "int8_linear: input must be a 2-D CPU tensor");
-  const int64_t in = input.size(1), rows = input.size(0), blocks = blocks_of(out_features), groups = groups_of(in);
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
+                  input.scalar_type() == at::kHalf,
+              "int8_linear: input must be fp32, bf16 or fp16, got ", input.scalar_type());
+  TORCH_CHECK(input.size(1) == in_features, "int8_linear: input has ", input.size(1), " features, the weight takes ",
+              in_features);
+  TORCH_CHECK(packed.device().is_cpu() && packed_scale.device().is_cpu() && bias.device().is_cpu(),
+              "int8_linear: packed, packed_scale and bias must be CPU tensors");
+  const int64_t in = in_features, rows = input.size(0), blocks = blocks_of(out_features), groups = groups_of(in);
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
                   packed.size(0) == blocks && packed.size(1) == groups * kChunksPerGroup &&
                   packed.size(2) == kBlockOutputs && packed.size(3) == kChunk,
@@ -205,7 +212,7 @@ torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
   const int8_t* w = packed.data_ptr<int8_t>();
   const float* s = packed_scale.data_ptr<float>();
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "int8_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "int8_linear", [&] {  // fp64 refused above
     scalar_t* y = out.data_ptr<scalar_t>();
     at::parallel_for(0, blocks, kBlockGrain, [&](int64_t begin, int64_t end) {
       float sums[kBlockOutputs * kRowsPerPass];

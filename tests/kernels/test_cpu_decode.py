@@ -94,6 +94,7 @@ def test_reduced_precision_caches_decode_compiled(
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.x86_builds
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
 def test_the_avx2_build_decodes_like_naive_attention(avx2_kernels: ModuleType, dtype: torch.dtype,
                                                      tolerance: float) -> None:

@@ -19,7 +19,8 @@ def native_kernels() -> ModuleType:
     return kernels
 
 
-@pytest.fixture(params=["native", "avx2", "baseline"])
+@pytest.fixture(params=["native", pytest.param("avx2", marks=pytest.mark.x86_builds),
+                        pytest.param("baseline", marks=pytest.mark.x86_builds)])
 def kernels(request: pytest.FixtureRequest) -> ModuleType:
     return request.getfixturevalue(f"{request.param}_kernels")
 
@@ -57,7 +58,7 @@ def test_int8_linear_is_the_product_with_the_dequantized_weight(
     packed, packed_scale = kernels.int8_pack_weight(qdata, scale)
     for with_bias in (bias, None):
         got = kernels.int8_linear(rows, packed, packed_scale, torch.empty(0) if with_bias is None else with_bias,
-                                  out_features)
+                                  in_features, out_features)
         assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
         expected = expected_linear(rows, qdata, scale, with_bias)
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
@@ -68,7 +69,7 @@ def test_reduced_precision_rows_are_summed_in_fp32_and_rounded_once(kernels: Mod
     torch.manual_seed(1)
     qdata, scale = random_weight(40, 96)
     rows = torch.randn(3, 96).to(dtype)
-    got = kernels.int8_linear(rows, *kernels.int8_pack_weight(qdata, scale), torch.empty(0), 40)
+    got = kernels.int8_linear(rows, *kernels.int8_pack_weight(qdata, scale), torch.empty(0), 96, 40)
     assert got.dtype == dtype
     expected = expected_linear(rows.float(), qdata, scale, None).float()
     # one rounding of an fp32 sum: within one unit in the last place of the dtype
@@ -91,14 +92,18 @@ def test_bad_arguments_are_named(native_kernels: ModuleType) -> None:
     qdata, scale = random_weight(8, 32)
     packed, packed_scale = native_kernels.int8_pack_weight(qdata, scale)
     rows = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="input has 40 features, the weight takes 32"):
+        native_kernels.int8_linear(torch.randn(2, 40), packed, packed_scale, torch.empty(0), 32, 8)  # same groups
     with pytest.raises(RuntimeError, match="packed must be int8_pack_weight's layout"):
-        native_kernels.int8_linear(torch.randn(2, 48), packed, packed_scale, torch.empty(0), 8)
+        native_kernels.int8_linear(torch.randn(2, 48), packed, packed_scale, torch.empty(0), 48, 8)
     with pytest.raises(RuntimeError, match="packed must be int8_pack_weight's layout"):
-        native_kernels.int8_linear(rows, packed, packed_scale, torch.empty(0), 12)
+        native_kernels.int8_linear(rows, packed, packed_scale, torch.empty(0), 32, 12)
     with pytest.raises(RuntimeError, match="packed_scale must be int8_pack_weight's scales"):
-        native_kernels.int8_linear(rows, packed, packed_scale.double(), torch.empty(0), 8)
+        native_kernels.int8_linear(rows, packed, packed_scale.double(), torch.empty(0), 32, 8)
     with pytest.raises(RuntimeError, match="bias must be empty or 8"):
-        native_kernels.int8_linear(rows, packed, packed_scale, torch.rand(7), 8)
+        native_kernels.int8_linear(rows, packed, packed_scale, torch.rand(7), 32, 8)
+    with pytest.raises(RuntimeError, match="input must be fp32, bf16 or fp16"):
+        native_kernels.int8_linear(rows.double(), packed, packed_scale, torch.empty(0), 32, 8)
     with pytest.raises(RuntimeError, match="weight must be 2-D int8"):
         native_kernels.int8_pack_weight(qdata.float(), scale)
     with pytest.raises(RuntimeError, match=r"scale must be fp32 \[8, 1\]"):
