@@ -131,9 +131,9 @@ class Int8WeightOnlyLinear(nn.Module):
                 self.many_rows.bias.copy_(bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, self.in_features)
-        if rows.shape[0] > INT8_KERNEL_MAX_ROWS:
+        if hidden.numel() > INT8_KERNEL_MAX_ROWS * self.in_features:  # more rows than the kernel takes
             return self.many_rows(hidden)
+        rows = hidden.reshape(-1, self.in_features)
         out = self.kernels.int8_linear(rows, self.packed_weight, self.packed_scale, self.fp32_bias, self.in_features,
                                        self.out_features)
         return out.reshape(*hidden.shape[:-1], self.out_features)
