@@ -103,16 +103,12 @@ def replace_linear_layers(model: nn.Module, make: Callable[[torch.Tensor, torch.
 def pack_linear_layers(model: LlamaForCausalLM, layer_type: type[nn.Module] = PackedLinear) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``layer_type``, and its LM head (or, tied, a copy of the
     embedding) by a ``PackedLinear`` (a ``RowSplitHead`` with fp16 layers); returns how many were replaced.
-    The original weights are released, except the embedding. A head already replaced (quantized) stays, but its
-    ``nn.Linear`` for many rows (``int8_weight_only``'s ``many_rows``) is packed as a head is."""
+    The original weights are released, except the embedding. A head already replaced (quantized) stays, and the
+    ``nn.Linear`` layers it holds (``int8_weight_only``'s layer for many rows) are packed as a head is."""
     head_type = RowSplitHead if layer_type is Fp16Linear else PackedLinear
     head = model.lm_head
     if head is not None and not isinstance(head, nn.Linear):
-        many_rows = getattr(head, "many_rows", None)
-        if not isinstance(many_rows, nn.Linear):
-            return replace_linear_layers(model, layer_type)
-        head.many_rows = head_type(many_rows.weight, many_rows.bias)
-        return replace_linear_layers(model, layer_type) + 1
+        return replace_linear_layers(head, head_type) + replace_linear_layers(model, layer_type)
     model.lm_head = None  # packed below, its own way
     count = replace_linear_layers(model, layer_type)
     weight, bias = (model.embed_tokens.weight, None) if head is None else (head.weight, head.bias)

@@ -104,6 +104,12 @@ def triton_ops() -> ModuleType:
     return triton_ops
 
 
+def kernels_for(march: str) -> ModuleType:
+    """The CPU kernels built for ``-march=march``, under a test build name of their own."""
+    name = f"pagedserve_cpu_kernels_{march.replace('-', '_')}_test"
+    return build_kernels(name, [source.read_text() for source in SOURCES], march)
+
+
 # x86-64-v3: AVX2, FMA and F16C without AVX-512 (the compiled kernels' paths for machines without AVX-512)
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -114,7 +120,7 @@ def avx2_kernels() -> ModuleType:
     without this build its tests would never run the AVX2 code."""
     if not AVX2_FLAGS <= cpu_flags():
         pytest.skip(f"the CPU lacks {sorted(AVX2_FLAGS - cpu_flags())}")
-    return build_kernels("pagedserve_cpu_kernels_x86_64_v3_test", [s.read_text() for s in SOURCES], "x86-64-v3")
+    return kernels_for("x86-64-v3")
 
 
 @pytest.fixture(scope="session")
@@ -122,4 +128,4 @@ def baseline_kernels() -> ModuleType:
     """The CPU kernels built for x86-64's baseline (SSE2): the plain-loop paths that CPUs without AVX2 run."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"the baseline build is x86-64's; this machine is {platform.machine()}")
-    return build_kernels("pagedserve_cpu_kernels_x86_64_test", [s.read_text() for s in SOURCES], "x86-64")
+    return kernels_for("x86-64")
