@@ -212,7 +212,8 @@ torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
   const int8_t* w = packed.data_ptr<int8_t>();
   const float* s = packed_scale.data_ptr<float>();
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "int8_linear", [&] {  // fp64 refused above
+  // fp64 was refused above; its instantiation is the dispatch macro's
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "int8_linear", [&] {
     scalar_t* y = out.data_ptr<scalar_t>();
     at::parallel_for(0, blocks, kBlockGrain, [&](int64_t begin, int64_t end) {
       float sums[kBlockOutputs * kRowsPerPass];
