@@ -47,8 +47,3 @@ def has_fbgemm_fp16() -> bool:
     """True if torch's fbgemm can multiply fp32 rows by fp16-stored weights (its AVX2/F16C/FMA kernels)."""
     return "fbgemm" in torch.backends.quantized.supported_engines and {"avx2", "f16c", "fma"} <= cpu_flags()
 
-
-def fp16_weights_are_faster() -> bool:
-    """Whether fbgemm's fp16 weights beat oneDNN's packed fp32 ones here: measured on an AVX2 EPYC without
-    AVX-512 (1.3-2.1x on SmolLM2's decoder layers at 8-128 rows); not measured with AVX-512, so not assumed."""
-    return has_fbgemm_fp16() and "avx512f" not in cpu_flags()

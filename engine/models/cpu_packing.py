@@ -7,12 +7,13 @@ batches, where decode steps live). Packed fp32 is faster than ``F.linear``'s MKL
 AVX-512, 1.3-2× at 8-32 rows on AVX2), but rounds differently from it, so the ``"exact"`` mode, which
 keeps tokens equal to transformers', leaves fp32 on ``F.linear``.
 
-Where there is no AVX-512, decode steps are bound by reading the weights: fbgemm's fp16 GEMM
+Decode steps of an fp32 model are bound by reading the weights: fbgemm's fp16 GEMM
 (``quantized::linear_dynamic_fp16``, torch's own op; torchao has no CPU path that keeps fp16 weights
-and fp32 arithmetic) reads half the bytes and runs the decoder layers 1.3-2.1x faster than packed fp32
-at 8-128 rows on an AVX2 EPYC, while rounding each weight to 11 significant bits (bf16 keeps 8). The LM
-head (49,152 outputs) is packed both ways there: fbgemm's fp16 ran it 2.4x faster than oneDNN's fp32 at
-1-4 rows, 1.55x at 8 and 1.18x at 16, but 0.8x at 24-32 and 0.5x at 128.
+and fp32 arithmetic) reads half the bytes, while rounding each weight to 11 significant bits (bf16 keeps
+8). It ran the decoder layers 1.3-2.1x faster than packed fp32 at 8-128 rows on an AVX2 EPYC, and SmolLM2's
+decode step 2.3x faster at 1 row, 1.5x at 8, 1.07x at 32 and 0.98x at 128 on an AVX-512 Zen 4. The LM
+head (49,152 outputs) is packed both ways: fbgemm's fp16 ran it 2.4x faster than oneDNN's fp32 at
+1-4 rows, 1.55x at 8 and 1.18x at 16, but 0.8x at 24-32 and 0.5x at 128 (AVX2 EPYC).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
-from paged_kernels.cpu_features import fp16_weights_are_faster
+from paged_kernels.cpu_features import has_fbgemm_fp16
 
 FP16_HEAD_MAX_ROWS = 16  # the most rows for which fbgemm's fp16 LM head beat oneDNN's fp32 (see above)
 
@@ -77,15 +78,16 @@ class RowSplitHead(nn.Module):
 def packed_layer_type(dtype: torch.dtype, device: torch.device, mode: str = "auto") -> type[nn.Module] | None:
     """The layer ``mode`` (``EngineConfig.cpu_weight_packing``) puts in place of a ``dtype`` model's linear
     layers on ``device``, None to leave them: bf16 packed where oneDNN supports it; fp32 packed unless
-    ``"exact"``: as fp16 weights under ``"fp16"`` and, where they measured faster, ``"auto"``, else oneDNN's."""
+    ``"exact"``: as fp16 weights under ``"fp16"`` and, where fbgemm runs them, ``"auto"``, else oneDNN's."""
     if mode == "off" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
     if dtype == torch.bfloat16:
         return PackedLinear if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
     if dtype != torch.float32 or mode == "exact":
         return None
-    if mode == "fp16" or (mode == "auto" and fp16_weights_are_faster()):
+    if mode == "fp16" or (mode == "auto" and has_fbgemm_fp16()):
         return Fp16Linear  # "fp16" where fbgemm cannot run it was refused by EngineConfig
+
     return PackedLinear
 
 

@@ -72,8 +72,8 @@ def test_bf16_engine_generates_the_same_tokens_with_and_without_packing(tiny_mod
     assert generate("exact") == generate("off")
 
 
-@pytest.mark.parametrize(("mode", "no_avx512", "expected"), [
-    ("auto", True, cpu_packing.Fp16Linear),  # fp16 weights measured faster without AVX-512
+@pytest.mark.parametrize(("mode", "has_fbgemm", "expected"), [
+    ("auto", True, cpu_packing.Fp16Linear),  # fp16 weights measured faster wherever fbgemm runs
     ("auto", False, cpu_packing.PackedLinear),
     ("onednn", True, cpu_packing.PackedLinear),
     ("fp16", False, cpu_packing.Fp16Linear),
@@ -81,22 +81,11 @@ def test_bf16_engine_generates_the_same_tokens_with_and_without_packing(tiny_mod
     ("off", True, None),
 ])
 def test_fp32_packing_follows_the_mode_and_the_cpu(
-    monkeypatch: pytest.MonkeyPatch, mode: str, no_avx512: bool, expected: type | None,
+    monkeypatch: pytest.MonkeyPatch, mode: str, has_fbgemm: bool, expected: type | None,
 ) -> None:
-    monkeypatch.setattr(cpu_packing, "fp16_weights_are_faster", lambda: no_avx512)
+    monkeypatch.setattr(cpu_packing, "has_fbgemm_fp16", lambda: has_fbgemm)
     assert cpu_packing.packed_layer_type(torch.float32, CPU, mode) is expected
     assert cpu_packing.packed_layer_type(torch.float32, torch.device("cuda"), mode) is None
-
-
-def test_fp16_weights_are_chosen_by_auto_only_without_avx512_and_with_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_features, "has_fbgemm_fp16", lambda: True)
-    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
-    assert cpu_features.fp16_weights_are_faster()
-    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma", "avx512f"}))
-    assert not cpu_features.fp16_weights_are_faster()
-    monkeypatch.setattr(cpu_features, "has_fbgemm_fp16", lambda: False)
-    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "f16c", "fma"}))
-    assert not cpu_features.fp16_weights_are_faster()
 
 
 def test_fp16_packing_where_fbgemm_cannot_run_it_fails_at_start_naming_the_setting(
