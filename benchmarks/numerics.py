@@ -1,5 +1,5 @@
 """Quality and speed of the engine's numerics: exact fp32, oneDNN-packed fp32, fp16 weights, int8, int8 weights
-only, and bf16.
+only, and bf16 (auto's layers and oneDNN's).
 
 Quality: the mean change of the log-probability of each token of a fixed text (teacher forced, on
 transformers' model with our layers swapped in) and how many greedy tokens of the engine agree with
@@ -26,7 +26,7 @@ from benchmarks.common import cpu_description
 from engine import LLM, SamplingParams
 from engine.model_files import resolve_model
 from engine.models import quantization
-from engine.models.cpu_packing import Fp16Linear, pack_linear_layers, replace_linear_layers
+from engine.models.cpu_packing import Fp16Linear, pack_linear_layers, packed_layer_type, replace_linear_layers
 from engine.models.quantization import Int8WeightOnlyLinear, quantize_linear_layers
 from paged_kernels.cpu_features import has_fbgemm_fp16
 
@@ -36,7 +36,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "fp32-packed": {"cpu_weight_packing": "onednn"},
     "fp16-weights": {"cpu_weight_packing": "fp16"},  # where fbgemm runs (AVX2, F16C, FMA)
     "int8": {"quantization": "int8", "cpu_weight_packing": "onednn"},
-    "bf16": {"dtype": "bfloat16"},  # auto's pick where bf16 is fast (AMX, AMD's AVX512-BF16): packed, fused layer ops
+    "bf16": {"dtype": "bfloat16"},  # auto's pick where bf16 is fast (AMX, AMD's AVX512-BF16): our kernel's layers
+    # (oneDNN's with AMX), fused layer ops
+    "bf16-onednn": {"dtype": "bfloat16", "cpu_weight_packing": "onednn"},
     "bf16-int8-weight-only": {"dtype": "bfloat16", "quantization": "int8_weight_only"},
 }
 FIXED_TEXT = (
@@ -65,8 +67,10 @@ def hf_variant(folder: Path, variant: str) -> nn.Module:
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     if variant.startswith("bf16"):
-        model = model.to(torch.bfloat16)  # transformers' own bf16 layers: the dtype's cost, not our kernels'
-    if variant == "bf16-int8-weight-only":
+        model = model.to(torch.bfloat16)  # transformers' own bf16 layers (oneDNN's): the dtype's cost
+    if variant == "bf16" and (layer_type := packed_layer_type(torch.bfloat16, torch.device("cpu"))) is not None:
+        pack_linear_layers(model, layer_type)  # type: ignore[arg-type]  # auto's layers: our kernel's where it applies
+    elif variant == "bf16-int8-weight-only":
         replace_linear_layers(model, Int8WeightOnlyLinear)  # the LM head too, as in the engine
     elif variant == "int8":
         quantize_linear_layers(model.model)  # the decoder; a tied head stays full precision, as in the engine

@@ -89,11 +89,13 @@ class EngineConfig:
     # CPU threads for torch ops; None keeps torch's default. Fewer threads than cores help when
     # other busy processes share the machine (OpenMP waits on descheduled threads).
     num_threads: int | None = None
-    # oneDNN-prepacked linear weights on the CPU: "auto" packs fp32 and bf16 (fastest; fp32 differs from
-    # transformers' MKL path by rounding), "exact" packs bf16 only (token-exact with transformers), "off"
+    # prepacked linear weights on the CPU: "auto" the fastest for the CPU (bf16 in our AVX512-BF16 kernel's layout
+    # where it applies, else oneDNN's; fp32 as fp16 weights where fbgemm runs, else oneDNN's; both round differently
+    # from transformers'), "onednn" oneDNN's layout for both, "fp16" fp16 weights for fp32, "exact" packs bf16 for
+    # oneDNN only (bit-identical to F.linear; fp32 tokens equal transformers'), "off"
     cpu_weight_packing: str = "auto"
     # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); "int8_weight_only": int8
-    # weights, activations in the model's dtype, read by a compiled kernel at up to 4 rows, 2 without AVX-512 (CPU
+    # weights, activations in the model's dtype, read by a compiled kernel at 1 row, up to 2 without AVX-512 (CPU
     # only; holds the dequantized weights too, for more rows); None: none
     quantization: str | None = None
     # decode runs from CUDA graphs captured at start for batches up to cuda_graph_max_batch (padded to

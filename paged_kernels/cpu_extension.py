@@ -1,7 +1,7 @@
 """The CPU's compiled kernels (``paged_kernels/csrc/``), built once per machine by torch's C++ extension tooling.
 
 No maintained library ships a paged decode attention, fused norms, rotary embedding and SiLU, or a few-row
-int8-weight linear that reads at memory speed, for torch's CPU build (vLLM's and IPEX's are tied to their own
+int8-weight or bf16 linear that reads at memory speed, for torch's CPU build (vLLM's and IPEX's are tied to their own
 builds and torch versions; torch's own ``rms_norm`` is composed of the same five ops on the CPU), so these are
 ours: a few hundred lines of C++ that torch compiles with the machine's compiler into its extension cache
 (``TORCH_EXTENSIONS_DIR``) on first use, and that later processes load from there. ``None`` where it cannot be
@@ -22,8 +22,10 @@ logger = logging.getLogger(__name__)
 
 # one translation unit, in this order: simd_math_cpu.cpp's exponential and conversions serve the files after it
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp", "int8_linear_cpu.cpp")]
-FUNCTIONS = ["paged_decode", "rotary_", "add_rms_norm_", "silu_and_mul", "int8_pack_weight", "int8_linear"]
+           for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp", "int8_linear_cpu.cpp",
+                        "bf16_linear_cpu.cpp")]
+FUNCTIONS = ["paged_decode", "rotary_", "add_rms_norm_", "silu_and_mul", "int8_pack_weight", "int8_linear",
+             "has_bf16_linear", "bf16_pack_weight", "bf16_linear"]
 
 
 def extension_name() -> str:

@@ -1,4 +1,4 @@
-"""Prepacked weights for linear layers on the CPU: oneDNN's layout, or fp16 weights for fbgemm.
+"""Prepacked weights for linear layers on the CPU: our bf16 kernel's layout, oneDNN's, or fp16 weights for fbgemm.
 
 ``F.linear`` on bf16 CPU tensors runs oneDNN, which lays the weight out in its blocked format on
 every call. Reordering each weight once at load time and calling oneDNN's linear on the packed
@@ -7,7 +7,14 @@ batches, where decode steps live). Packed fp32 is faster than ``F.linear``'s MKL
 AVX-512, 1.3-2× at 8-32 rows on AVX2), but rounds differently from it, so the ``"exact"`` mode, which
 keeps tokens equal to transformers', leaves fp32 on ``F.linear``.
 
-Decode steps of an fp32 model are bound by reading the weights: fbgemm's fp16 GEMM
+Decode steps at a few rows are bound by reading the weights. Where the CPU has AVX512-BF16 but no AMX tiles, a bf16
+model's layers run our compiled kernel (``paged_kernels/csrc/bf16_linear_cpu.cpp``, ``Bf16Linear``), whose layout is
+read in one sequential pass: SmolLM2's linear layers took 0.47x oneDNN's packed bf16 time at 1 row, 0.41x at 2,
+0.59x at 4, 0.61x at 8, 0.85x at 32 and 0.94x at 128 (``benchmarks.numerics``), and 0.99x at 512 rows (30 distinct
+layers and the head, past the L3), on a 2-vCPU Zen 4. With AMX, oneDNN multiplies many rows in tiles, which the kernel does not (not measured there: oneDNN
+stays). Sums are fp32 in another order than oneDNN's, so bf16 results differ from ``F.linear``'s by rounding.
+
+Decode steps of an fp32 model are bound by reading the weights too: fbgemm's fp16 GEMM
 (``quantized::linear_dynamic_fp16``, torch's own op; torchao has no CPU path that keeps fp16 weights
 and fp32 arithmetic) reads half the bytes, while rounding each weight to 11 significant bits (bf16 keeps
 8). It ran the decoder layers 1.3-2.1x faster than packed fp32 at 8-128 rows on an AVX2 EPYC, and SmolLM2's
@@ -24,7 +31,8 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
-from paged_kernels.cpu_features import has_fbgemm_fp16
+from paged_kernels.cpu_extension import cpu_kernels
+from paged_kernels.cpu_features import cpu_flags, has_amx_for, has_fbgemm_fp16
 
 FP16_HEAD_MAX_ROWS = 16  # the most rows for which fbgemm's fp16 LM head beat oneDNN's fp32 (see above)
 
@@ -40,6 +48,27 @@ class PackedLinear(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, self.bias, "none", [], "")
+
+
+class Bf16Linear(nn.Module):
+    """``y = x W^T + b`` for bf16 ``x`` with ``W`` in the layout of our AVX512-BF16 kernel (``bf16_linear``),
+    summed in fp32 and rounded to bf16 once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        kernels = cpu_kernels()
+        if kernels is None or not kernels.has_bf16_linear():
+            raise RuntimeError("Bf16Linear needs the CPU's compiled kernels built with AVX512-BF16, which this machine "
+                               "lacks: use cpu_weight_packing='onednn'")
+        self.kernels = kernels
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = kernels.bf16_pack_weight(weight.detach().to(torch.bfloat16))
+        self.fp32_bias = torch.empty(0) if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, self.in_features)
+        out = self.kernels.bf16_linear(rows, self.packed_weight, self.fp32_bias, self.in_features, self.out_features)
+        return out.reshape(*hidden.shape[:-1], self.out_features)
 
 
 class Fp16Linear(nn.Module):
@@ -75,11 +104,24 @@ class RowSplitHead(nn.Module):
         return (self.few_rows if rows <= FP16_HEAD_MAX_ROWS else self.many_rows)(hidden)
 
 
+def bf16_kernel_applies() -> bool:
+    """Whether ``"auto"`` gives a bf16 model our kernel's layers: AVX512-BF16 without AMX, in a build that has it."""
+    if "avx512_bf16" not in cpu_flags() or has_amx_for(torch.bfloat16):
+        return False
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.has_bf16_linear()
+
+
 def packed_layer_type(dtype: torch.dtype, device: torch.device, mode: str = "auto") -> type[nn.Module] | None:
     """The layer ``mode`` (``EngineConfig.cpu_weight_packing``) puts in place of a ``dtype`` model's linear
-    layers on ``device``, None to leave them: bf16 packed where oneDNN supports it; fp32 packed unless
-    ``"exact"``: as fp16 weights under ``"fp16"`` and, where fbgemm runs them, ``"auto"``, else oneDNN's."""
-    if mode == "off" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    layers on ``device``, None to leave them: bf16 under ``"auto"`` in our kernel's layout where it applies, else
+    packed for oneDNN where oneDNN supports it; fp32 packed unless ``"exact"``: as fp16 weights under ``"fp16"`` and,
+    where fbgemm runs them, ``"auto"``, else oneDNN's."""
+    if mode == "off" or device.type != "cpu":
+        return None
+    if dtype == torch.bfloat16 and mode == "auto" and bf16_kernel_applies():
+        return Bf16Linear
+    if not torch.backends.mkldnn.is_available():
         return None
     if dtype == torch.bfloat16:
         return PackedLinear if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
@@ -104,10 +146,10 @@ def replace_linear_layers(model: nn.Module, make: Callable[[torch.Tensor, torch.
 
 def pack_linear_layers(model: LlamaForCausalLM, layer_type: type[nn.Module] = PackedLinear) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``layer_type``, and its LM head (or, tied, a copy of the
-    embedding) by a ``PackedLinear`` (a ``RowSplitHead`` with fp16 layers); returns how many were replaced.
+    embedding) by a ``layer_type`` too (a ``RowSplitHead`` with fp16 layers); returns how many were replaced.
     The original weights are released, except the embedding. A head already replaced (quantized) stays, and the
     ``nn.Linear`` layers it holds (``int8_weight_only``'s layer for many rows) are packed as a head is."""
-    head_type = RowSplitHead if layer_type is Fp16Linear else PackedLinear
+    head_type = RowSplitHead if layer_type is Fp16Linear else layer_type
     head = model.lm_head
     if head is not None and not isinstance(head, nn.Linear):
         return replace_linear_layers(head, head_type) + replace_linear_layers(model, layer_type)

@@ -10,10 +10,11 @@ fbgemm dynamic linear is deprecated.
 ``"int8_weight_only"``: int8 weights, one scale per 32 of a row, activations in the model's dtype. A decode
 step of a few rows is bound by reading the weights, and no library kernel reads int8 weights at memory speed at
 so few rows (torch's ``_weight_int8pack_mm``, which torchao's weight-only path calls, ran a SmolLM2 step's linears
-at 0.51-0.97x bf16's speed at 1 row), so those rows take our compiled kernel
-(``paged_kernels/csrc/int8_linear_cpu.cpp``). More rows (prefill, larger batches) are compute-bound, where
-oneDNN's bf16 GEMM (or fbgemm's fp16 one) is the faster: they multiply the same quantized weights dequantized to
-the model's dtype, held as a second copy.
+at 0.51-0.97x oneDNN bf16's speed at 1 row), so those rows take our compiled kernel
+(``paged_kernels/csrc/int8_linear_cpu.cpp``). More rows (prefill, larger batches) multiply the same quantized weights
+dequantized to the model's dtype, held as a second copy, in the layers weight packing gives the model (our bf16
+kernel's, oneDNN's or fbgemm's fp16), which are faster there. Since the bf16 kernel, the mode gains little on
+AVX512-BF16 CPUs (one row: 8.5 against 8.7 ms a SmolLM2 step on a Zen 4).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ _WEIGHT_MAX = 63
 _ACTIVATION_MAX = 127
 _ACTIVATION_ZERO_POINT = 128
 # int8_weight_only: the most rows a call multiplies from the int8 weights. On a Zen 4 EPYC (2 vCPUs) a SmolLM2
-# step's linears at 1 / 2 / 4 / 8 rows took 0.32 / 0.42 / 0.83 / 1.3x the time of oneDNN's packed bf16; the AVX2
-# build there (the kernel's path without AVX-512) took 5.0 / 5.9 / 11.0 ms at 1 / 2 / 4 rows against 8.7 / 8.7 /
-# 9.2 ms for fbgemm's fp16 weights, the many-rows layers of such CPUs.
-INT8_KERNEL_MAX_ROWS = 4 if "avx512f" in cpu_flags() else 2
+# step's linears at 1 / 2 / 4 rows took 5.4 / 6.9 / 10.8 ms against 5.6 / 5.6 / 6.3 for our bf16 kernel's layers
+# and 6.1 / 6.6 / 9.0 for fbgemm's fp16 weights, the many-rows layers of bf16 and fp32 models there; the AVX2 build
+# (the kernel's path without AVX-512) took 5.0 / 5.9 / 11.0 ms at 1 / 2 / 4 rows against 8.7 / 8.7 / 9.2 ms for
+# fbgemm's fp16 weights, the many-rows layers of such CPUs.
+INT8_KERNEL_MAX_ROWS = 1 if "avx512f" in cpu_flags() else 2
 GROUP_SIZE = 32  # weights per scale, as llama.cpp's Q8_0 (SmolLM2 in bf16: mean |log-prob change| 0.054 nats
 # per token from exact fp32 with groups of 32, 0.095 with one scale per row; bf16 alone 0.038)
 

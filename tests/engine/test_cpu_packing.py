@@ -1,11 +1,12 @@
-"""Prepacked linear layers: bf16 computes exactly what ``F.linear`` does, oneDNN's fp32 within rounding of
-it, fp16 weights (fbgemm) within the rounding of the weights, the ``auto`` mode picks per CPU, and the
-``exact`` mode keeps fp32 on ``F.linear``."""
+"""Prepacked linear layers: oneDNN's bf16 computes exactly what ``F.linear`` does, our bf16 kernel's layers within
+bf16's rounding of it, oneDNN's fp32 within rounding of it, fp16 weights (fbgemm) within the rounding of the weights,
+the ``auto`` mode picks per CPU, and the ``exact`` mode keeps fp32 on ``F.linear``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TypeVar
 
 import pytest
@@ -20,9 +21,17 @@ from engine.models import cpu_packing, loader
 from paged_kernels import cpu_features, reference
 
 CPU = torch.device("cpu")
-BF16_PACKS = cpu_packing.packed_layer_type(torch.bfloat16, CPU) is not None
+BF16_PACKS = cpu_packing.packed_layer_type(torch.bfloat16, CPU, "onednn") is not None
+BF16_KERNEL = cpu_packing.bf16_kernel_applies()
+AUTO_BF16_LAYER = cpu_packing.Bf16Linear if BF16_KERNEL else cpu_packing.PackedLinear
 FBGEMM_FP16 = cpu_features.has_fbgemm_fp16()
 Test = TypeVar("Test", bound=Callable[..., None])
+
+
+def needs_bf16_kernel(test: Test) -> Test:
+    """Mark ``test`` as needing our AVX512-BF16 kernel's layers (a hardware marker) and skip it without them."""
+    reason = "our bf16 linear kernel needs a CPU with AVX512-BF16 and no AMX"
+    return pytest.mark.avx512_bf16(pytest.mark.skipif(not BF16_KERNEL, reason=reason)(test))
 
 
 def needs_fbgemm_fp16(test: Test) -> Test:
@@ -50,11 +59,72 @@ def test_bf16_packing_applies_exactly_where_onednn_supports_bf16() -> None:
 # oneDNN's weight reorder (the one step that needs the instructions) is available.
 def test_bf16_loading_packs_every_linear_where_it_applies(tiny_model_dir: Path) -> None:
     model = loader.load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu"), ops=reference)
-    packed = [isinstance(module, cpu_packing.PackedLinear) for module in model.modules()]
+    packed = [isinstance(module, AUTO_BF16_LAYER) for module in model.modules()]
     unpacked = [isinstance(module, nn.Linear) for module in model.modules()]
-    assert (any(packed), any(unpacked)) == (BF16_PACKS, not BF16_PACKS)
-    if BF16_PACKS:  # a tied head gets its own packed copy
+    applies = BF16_PACKS or BF16_KERNEL
+    assert (any(packed), any(unpacked)) == (applies, not applies)
+    if applies:  # every decoder layer and the head; a tied head gets its own packed copy
+        assert sum(packed) == 4 * len(model.layers) + 1
+        assert isinstance(model.lm_head, AUTO_BF16_LAYER)
         assert model.lm_head.out_features == model.embed_tokens.num_embeddings
+
+
+@pytest.mark.parametrize(("mode", "kernel_applies", "expected"), [
+    ("auto", True, cpu_packing.Bf16Linear),
+    ("auto", False, cpu_packing.PackedLinear),
+    ("onednn", True, cpu_packing.PackedLinear),
+    ("exact", True, cpu_packing.PackedLinear),  # oneDNN's bf16 is bit-identical to F.linear
+    ("off", True, None),
+])
+def test_bf16_packing_follows_the_mode_and_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, mode: str, kernel_applies: bool, expected: type | None,
+) -> None:
+    monkeypatch.setattr(cpu_packing, "bf16_kernel_applies", lambda: kernel_applies)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu_packing.packed_layer_type(torch.bfloat16, CPU, mode) is expected
+    assert cpu_packing.packed_layer_type(torch.bfloat16, torch.device("cuda"), mode) is None
+
+
+@pytest.mark.parametrize(("flags", "applies"), [
+    ({"avx512f", "avx512_bf16"}, True),  # AMD's Zen 4 and later
+    ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, False),  # oneDNN multiplies in AMX tiles there
+    ({"avx512f", "avx512_vnni"}, False),
+])
+def test_the_bf16_kernel_applies_with_avx512_bf16_and_without_amx(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], applies: bool,
+) -> None:
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_packing, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_packing, "cpu_kernels", lambda: SimpleNamespace(has_bf16_linear=lambda: True))
+    assert cpu_packing.bf16_kernel_applies() == applies
+    monkeypatch.setattr(cpu_packing, "cpu_kernels", lambda: None)  # no compiler: oneDNN's layers
+    assert not cpu_packing.bf16_kernel_applies()
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("shape", [(1, 96), (19, 96), (2, 3, 96)])
+def test_bf16_kernel_layer_is_f_linear_up_to_bf16_rounding(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    hidden = torch.randn(shape).to(torch.bfloat16)
+    out = cpu_packing.Bf16Linear(linear.weight, linear.bias)(hidden)
+    assert out.dtype == torch.bfloat16 and out.shape == (*shape[:-1], 160)
+    exact = F.linear(hidden.double(), linear.weight.double(), linear.bias.double())
+    assert ((out.double() - exact).abs() <= exact.abs() * torch.finfo(torch.bfloat16).eps + 1e-3).all()
+
+
+@needs_bf16_kernel
+def test_bf16_kernel_model_keeps_onednns_log_probs_up_to_rounding(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ids = torch.tensor(AutoTokenizer.from_pretrained(tiny_model_dir).encode(numerics.FIXED_TEXT))
+    model = numerics.hf_variant(tiny_model_dir, "bf16")
+    assert sum(isinstance(module, cpu_packing.Bf16Linear) for module in model.modules()) == 7 * 2 + 1
+    ours = numerics.token_logprobs(model, ids)
+    onednn = numerics.token_logprobs(numerics.hf_variant(tiny_model_dir, "bf16-onednn"), ids)
+    fp32 = numerics.token_logprobs(numerics.hf_variant(tiny_model_dir, "fp32-plain"), ids)
+    # the two differ by the order of fp32 sums (where they differ at all), far less than bf16 differs from fp32
+    assert (ours - onednn).abs().mean() < 0.5 * (onednn - fp32).abs().mean()
 
 
 def test_bf16_engine_generates_the_same_tokens_with_and_without_packing(tiny_model_dir: Path) -> None:

@@ -1,0 +1,104 @@
+"""The CPU's AVX512-BF16 linear (``bf16_pack_weight`` + ``bf16_linear``) is the fp32-summed product of bf16 rows and
+bf16 weights, rounded to bf16 once, at any row count (both its few-rows and many-rows passes) and any layer shape."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from paged_kernels.cpu_extension import cpu_kernels
+from paged_kernels.cpu_features import cpu_flags
+
+AVX512_BF16 = "avx512_bf16" in cpu_flags()
+pytestmark = [pytest.mark.avx512_bf16, pytest.mark.skipif(not AVX512_BF16, reason="needs a CPU with AVX512-BF16")]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
+    assert kernels.has_bf16_linear(), "a CPU with AVX512-BF16 builds bf16_linear"
+    return kernels
+
+
+def expected_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows @ weight^T + bias in fp64 (bf16 products are exact in fp32, so only the sums' order differs)."""
+    out = rows.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def assert_rounded_once(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """``got`` (bf16) is ``expected`` rounded to bf16, up to one unit in bf16's last place and fp32's summing."""
+    assert got.dtype == torch.bfloat16
+    ulp = expected.abs() * torch.finfo(torch.bfloat16).eps
+    assert ((got.double() - expected).abs() <= ulp + 1e-4).all(), (got.double() - expected).abs().max()
+
+
+# shapes off the kernel's blocks (32 outputs, pairs of features): odd widths, a last block of a few outputs, an odd
+# number of blocks (the many-rows pass takes two blocks at a time) and SmolLM2's
+SHAPES = [(1, 2), (5, 37), (67, 100), (96, 33), (192, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 12, 13, 19, 40])
+def test_bf16_linear_is_the_fp32_summed_product_rounded_once(
+    kernels: ModuleType, out_features: int, in_features: int, num_rows: int,
+) -> None:
+    torch.manual_seed(out_features * 1000 + in_features + num_rows)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features)
+    rows = torch.randn(num_rows, in_features).to(torch.bfloat16)
+    packed = kernels.bf16_pack_weight(weight)
+    for with_bias in (bias, None):
+        got = kernels.bf16_linear(rows, packed, torch.empty(0) if with_bias is None else with_bias, in_features,
+                                  out_features)
+        assert got.shape == (num_rows, out_features)
+        assert_rounded_once(got, expected_linear(rows, weight, with_bias))
+
+
+def test_no_rows_give_an_empty_result(kernels: ModuleType) -> None:
+    weight = torch.randn(40, 64).to(torch.bfloat16)
+    got = kernels.bf16_linear(torch.empty(0, 64, dtype=torch.bfloat16), kernels.bf16_pack_weight(weight),
+                              torch.empty(0), 64, 40)
+    assert got.shape == (0, 40)
+
+
+def test_a_non_contiguous_input_is_read_as_its_values(kernels: ModuleType) -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+    rows = torch.randn(64, 7).to(torch.bfloat16).T  # [7, 64], not contiguous
+    got = kernels.bf16_linear(rows, kernels.bf16_pack_weight(weight), torch.empty(0), 64, 48)
+    assert_rounded_once(got, expected_linear(rows, weight, None))
+
+
+def test_a_packed_weight_pads_its_blocks_and_its_last_pair_with_zeros(kernels: ModuleType) -> None:
+    weight = torch.randn(5, 37).to(torch.bfloat16)
+    packed = kernels.bf16_pack_weight(weight)
+    assert packed.shape == (1, 19, 32, 2)
+    unpacked = packed.permute(0, 2, 1, 3).reshape(32, 38)
+    assert torch.equal(unpacked[:5, :37], weight)
+    assert not unpacked[5:].any() and not unpacked[:, 37:].any()
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 64), p, torch.empty(0), 64, 40), "input must be a 2-D bf16"),
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 2, 64).bfloat16(), p, torch.empty(0), 64, 40),
+     "input must be a 2-D bf16"),
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 62).bfloat16(), p, torch.empty(0), 62, 40),
+     "packed must be bf16_pack_weight's layout"),
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 66).bfloat16(), p, torch.empty(0), 64, 40), "input has 66 features"),
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 64).bfloat16(), p, torch.empty(0), 64, 80),
+     "packed must be bf16_pack_weight's layout"),
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 64).bfloat16(), p.float(), torch.empty(0), 64, 40),
+     "packed must be bf16_pack_weight's layout"),
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 64).bfloat16(), p, torch.randn(39), 64, 40), "bias must be empty"),
+    (lambda k, w, p: k.bf16_linear(torch.randn(2, 64).bfloat16(), p, torch.randn(40).bfloat16(), 64, 40),
+     "bias must be empty"),
+    (lambda k, w, p: k.bf16_pack_weight(w.float()), "weight must be 2-D bf16"),
+])
+def test_bad_arguments_are_named(kernels: ModuleType, call: object, message: str) -> None:
+    weight = torch.randn(40, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        call(kernels, weight, kernels.bf16_pack_weight(weight))  # type: ignore[operator]
