@@ -45,14 +45,14 @@ class Settings(BaseSettings):
         None, ge=1, le=1024, description="a worker's CPU threads for torch (default: torch's)")
     cpu_weight_packing: Literal["auto", "onednn", "fp16", "exact", "off"] = Field(
         "auto", description="prepacked weights on the CPU: onednn = oneDNN's layout (fp32 and bf16), fp16 = fp32 "
-        "models' weights in fp16 for fbgemm, auto = the fastest (bf16: our AVX512-BF16 kernel's layout where the CPU "
-        "has AVX512-BF16 and no AMX, else onednn; fp32: fp16 where fbgemm runs, else onednn), "
-        "exact = bf16 packed for oneDNN only (fp32 tokens equal transformers')")
+        "models' weights in fp16 for fbgemm (bf16 models: onednn), auto = the fastest (bf16: our AVX512-BF16 "
+        "kernel's layout where the CPU has AVX512-BF16 and no AMX, else onednn; fp32: fp16 where fbgemm runs, else "
+        "onednn), exact = bf16 packed for oneDNN only (fp32 tokens equal transformers')")
     quantization: Literal["int8", "int8_weight_only"] | None = Field(
         None, description="int8 = int8 weights and activations in the linear layers (CPU; faster, small quality cost); "
-        "int8_weight_only = int8 weights read by a compiled kernel in decode steps of 1 row (up to 2 without "
-        "AVX-512): the fastest at one in flight (CPU with a C++ compiler; holds the weights dequantized too, "
-        "for larger steps)")
+        "int8_weight_only = int8 weights read by a compiled kernel in decode steps of up to 4 rows with "
+        "AVX512-VNNI (1 with AVX-512 alone, 2 with AVX2): the fastest at that many in flight (CPU with a C++ "
+        "compiler; holds the weights dequantized too, for larger steps)")
     max_model_len: int | None = Field(None, ge=1, description="context length (default: the model's own)")
     enforce_eager: bool = Field(
         False, description="run every step eagerly: no CUDA graphs (on CUDA, decode batches up to "

@@ -95,8 +95,8 @@ class EngineConfig:
     # oneDNN only (bit-identical to F.linear; fp32 tokens equal transformers'), "off"
     cpu_weight_packing: str = "auto"
     # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); "int8_weight_only": int8
-    # weights, activations in the model's dtype, read by a compiled kernel at 1 row, up to 2 without AVX-512 (CPU
-    # only; holds the dequantized weights too, for more rows); None: none
+    # weights, activations in the model's dtype, read by a compiled kernel at up to 4 rows with AVX512-VNNI, 1 with
+    # AVX-512 alone, 2 with AVX2 (CPU only; holds the dequantized weights too, for more rows); None: none
     quantization: str | None = None
     # decode runs from CUDA graphs captured at start for batches up to cuda_graph_max_batch (padded to
     # 1, 2, 4, 8, 16, ...); True keeps every step eager. The CPU never captures.

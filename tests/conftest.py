@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 # The only tests that may skip: those marked as needing hardware this machine may lack.
-HARDWARE_MARKERS = ("gpu", "onednn_bf16", "avx512_bf16", "fbgemm_fp16", "x86_builds")
+HARDWARE_MARKERS = ("gpu", "onednn_bf16", "avx512_bf16", "avx512_vnni", "fbgemm_fp16", "x86_builds")
 
 TINY_LLAMA = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

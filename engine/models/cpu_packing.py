@@ -11,8 +11,9 @@ Decode steps at a few rows are bound by reading the weights. Where the CPU has A
 model's layers run our compiled kernel (``paged_kernels/csrc/bf16_linear_cpu.cpp``, ``Bf16Linear``), whose layout is
 read in one sequential pass: SmolLM2's linear layers took 0.47x oneDNN's packed bf16 time at 1 row, 0.41x at 2,
 0.59x at 4, 0.61x at 8, 0.85x at 32 and 0.94x at 128 (``benchmarks.numerics``), and 0.99x at 512 rows (30 distinct
-layers and the head, past the L3), on a 2-vCPU Zen 4. With AMX, oneDNN multiplies many rows in tiles, which the kernel does not (not measured there: oneDNN
-stays). Sums are fp32 in another order than oneDNN's, so bf16 results differ from ``F.linear``'s by rounding.
+layers and the head, past the L3), on a 2-vCPU Zen 4. With AMX, oneDNN multiplies many rows in tiles, which the
+kernel does not (not measured there: oneDNN stays). Sums are fp32 in another order than oneDNN's, so bf16 results
+can differ from ``F.linear``'s by rounding.
 
 Decode steps of an fp32 model are bound by reading the weights too: fbgemm's fp16 GEMM
 (``quantized::linear_dynamic_fp16``, torch's own op; torchao has no CPU path that keeps fp16 weights

@@ -10,11 +10,11 @@ fbgemm dynamic linear is deprecated.
 ``"int8_weight_only"``: int8 weights, one scale per 32 of a row, activations in the model's dtype. A decode
 step of a few rows is bound by reading the weights, and no library kernel reads int8 weights at memory speed at
 so few rows (torch's ``_weight_int8pack_mm``, which torchao's weight-only path calls, ran a SmolLM2 step's linears
-at 0.51-0.97x oneDNN bf16's speed at 1 row), so those rows take our compiled kernel
-(``paged_kernels/csrc/int8_linear_cpu.cpp``). More rows (prefill, larger batches) multiply the same quantized weights
-dequantized to the model's dtype, held as a second copy, in the layers weight packing gives the model (our bf16
-kernel's, oneDNN's or fbgemm's fp16), which are faster there. Since the bf16 kernel, the mode gains little on
-AVX512-BF16 CPUs (one row: 8.5 against 8.7 ms a SmolLM2 step on a Zen 4).
+at 0.51-0.97x oneDNN bf16's speed at 1 row), so those rows take our compiled kernels: with AVX512-VNNI
+``int8_vnni_linear_cpu.cpp`` (each row quantized to int16 in groups of 32, integer sums), elsewhere
+``int8_linear_cpu.cpp`` (each weight widened to fp32, fp32 sums). More rows (prefill, larger batches) multiply the
+same quantized weights dequantized to the model's dtype, held as a second copy, in the layers weight packing gives
+the model (our bf16 kernel's, oneDNN's or fbgemm's fp16), which are faster there.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ _WEIGHT_MAX = 63
 _ACTIVATION_MAX = 127
 _ACTIVATION_ZERO_POINT = 128
 # int8_weight_only: the most rows a call multiplies from the int8 weights. On a Zen 4 EPYC (2 vCPUs) a SmolLM2
-# step's linears at 1 / 2 / 4 rows took 5.4 / 6.9 / 10.8 ms against 5.6 / 5.6 / 6.3 for our bf16 kernel's layers
-# and 6.1 / 6.6 / 9.0 for fbgemm's fp16 weights, the many-rows layers of bf16 and fp32 models there; the AVX2 build
-# (the kernel's path without AVX-512) took 5.0 / 5.9 / 11.0 ms at 1 / 2 / 4 rows against 8.7 / 8.7 / 9.2 ms for
+# step's linears at 1 / 2 / 4 rows took 3.7 / 4.0 / 6.6 ms with the VNNI kernel (int8_vnni_linear) and 5.4 / 6.9 /
+# 10.8 ms with the fp32 one (int8_linear's AVX-512 path) against 5.6 / 5.6 / 6.3 for our bf16 kernel's layers and
+# 6.1 / 6.6 / 9.0 for fbgemm's fp16 weights, the many-rows layers of bf16 and fp32 models there; the AVX2 build
+# (int8_linear's path without AVX-512) took 5.0 / 5.9 / 11.0 ms at 1 / 2 / 4 rows against 8.7 / 8.7 / 9.2 ms for
 # fbgemm's fp16 weights, the many-rows layers of such CPUs.
-INT8_KERNEL_MAX_ROWS = 1 if "avx512f" in cpu_flags() else 2
+HAS_VNNI = {"avx512_vnni", "avx512bw"} <= cpu_flags()
+INT8_KERNEL_MAX_ROWS = 4 if HAS_VNNI else 1 if "avx512f" in cpu_flags() else 2
 GROUP_SIZE = 32  # weights per scale, as llama.cpp's Q8_0 (SmolLM2 in bf16: mean |log-prob change| 0.054 nats
 # per token from exact fp32 with groups of 32, 0.095 with one scale per row; bf16 alone 0.038)
 
@@ -111,8 +113,9 @@ class Int8WeightOnlyLinear(nn.Module):
     llama.cpp's Q8_0), and ``x`` kept in the model's dtype (summed in fp32). Up to ``INT8_KERNEL_MAX_ROWS`` rows the
     compiled kernel reads the int8 weights; more rows run ``many_rows``, an ``nn.Linear`` over the same quantized
     weights dequantized to the model's dtype (which weight packing then replaces by its packed layer). The two agree
-    up to that rounding (bf16 keeps 8 significant bits of each dequantized weight; the kernel multiplies it in fp32),
-    so a sequence's tokens can depend on how many rows its steps had."""
+    up to rounding (bf16 keeps 8 significant bits of each dequantized weight; the kernel multiplies it in fp32, the
+    VNNI kernel with the rows rounded to int16 in groups of 32), so a sequence's tokens can depend on how many rows
+    its steps had."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -120,10 +123,13 @@ class Int8WeightOnlyLinear(nn.Module):
         if kernels is None:
             raise RuntimeError("quantization='int8_weight_only' needs the CPU's compiled kernels, which could not be "
                                "built here (see the warning above); use quantization=None")
-        self.kernels = kernels
+        # with AVX512-VNNI the integer kernel (rows quantized to int16 in groups of 32), else the fp32 one
+        vnni = kernels.has_int8_vnni_linear()
+        pack = kernels.int8_vnni_pack_weight if vnni else kernels.int8_pack_weight
+        self.linear = kernels.int8_vnni_linear if vnni else kernels.int8_linear
         self.out_features, self.in_features = weight.shape
         qdata, scale = quantize_weight_groups(weight)
-        self.packed_weight, self.packed_scale = kernels.int8_pack_weight(qdata, scale)
+        self.packed_weight, self.packed_scale = pack(qdata, scale)
         self.fp32_bias = torch.empty(0) if bias is None else bias.detach().float().contiguous()
         self.many_rows = torch.nn.utils.skip_init(  # no random init: the weights are copied in next
             nn.Linear, self.in_features, self.out_features, bias=bias is not None, dtype=weight.dtype)
@@ -136,8 +142,8 @@ class Int8WeightOnlyLinear(nn.Module):
         if hidden.numel() > INT8_KERNEL_MAX_ROWS * self.in_features:  # more rows than the kernel takes
             return self.many_rows(hidden)
         rows = hidden.reshape(-1, self.in_features)
-        out = self.kernels.int8_linear(rows, self.packed_weight, self.packed_scale, self.fp32_bias, self.in_features,
-                                       self.out_features)
+        out = self.linear(rows, self.packed_weight, self.packed_scale, self.fp32_bias, self.in_features,
+                          self.out_features)
         return out.reshape(*hidden.shape[:-1], self.out_features)
 
 

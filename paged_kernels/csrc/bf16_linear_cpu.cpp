@@ -1,14 +1,13 @@
 // A bf16 linear layer for CPUs with AVX512-BF16 (its `vdpbf16ps` multiplies pairs of bf16 and sums them into fp32),
 // over a weight packed once so that every call reads it in one sequential pass. At a few rows a decode step is bound
-// by reading the weights: oneDNN's packed bf16 read SmolLM2's at 16-23 GB/s inside a step, where one sequential
-// stream reaches 30-40 on the same Zen 4 (bf16_linear's own numbers are in engine/models/cpu_packing.py). The same
+// by reading the weights: oneDNN's packed bf16 read SmolLM2's at 16-23 GB/s inside a step, this kernel at 45-48 on the
+// same 2-vCPU Zen 4 (its ratios to oneDNN per row count are in engine/models/cpu_packing.py). The same
 // layout serves many rows (prefill, large batches): each block of weights stays in L2 while all the rows pass over it,
 // so the model holds one copy of its weights.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -31,11 +30,11 @@ int64_t pairs_of(int64_t in) { return (in + 1) / 2; }
 constexpr int64_t kFewRows = 12;
 constexpr int64_t kManyRows = 6;
 
-// For R rows (each `pairs` bf16 pairs, row r at x + r * stride pairs) and B adjacent blocks of weights: sums[r][v] =
+// For R rows (each `pairs` bf16 pairs, row r at x + 2 * r * stride) and B adjacent blocks of weights: sums[r][v] =
 // the products for the passes's outputs 16 v to 16 v + 15, as fp32 vectors. Each pair of a row is broadcast to all
 // lanes and multiplied into every vector of the blocks' pair.
 template <int64_t R, int64_t B>
-void block_pass(const uint32_t* x, int64_t stride, const uint16_t* weights, int64_t pairs,
+void block_pass(const at::BFloat16* x, int64_t stride, const uint16_t* weights, int64_t pairs,
                 __m512 (&sums)[R][B * kVectors]) {
   constexpr int64_t V = B * kVectors;
 #pragma GCC unroll 12
@@ -53,7 +52,7 @@ void block_pass(const uint32_t* x, int64_t stride, const uint16_t* weights, int6
     }
 #pragma GCC unroll 12
     for (int64_t r = 0; r < R; ++r) {
-      const __m512bh row = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * stride + p]));
+      const __m512bh row = (__m512bh)_mm512_set1_epi32(pair_bits(x + 2 * (r * stride + p)));
 #pragma GCC unroll 4
       for (int64_t v = 0; v < V; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], row, w[v]);
     }
@@ -78,7 +77,7 @@ void store_sums(const __m512 (&sums)[R][V], const float* bias, int64_t first, in
 
 // block_pass and store_sums for `rows` rows, 1 to R: only those are instantiated
 template <int64_t B, int64_t R>
-void rows_through_blocks(int64_t rows, const uint32_t* x, int64_t stride, const uint16_t* weights, int64_t pairs,
+void rows_through_blocks(int64_t rows, const at::BFloat16* x, int64_t stride, const uint16_t* weights, int64_t pairs,
                          const float* bias, int64_t first, int64_t outputs, at::BFloat16* y, int64_t out_features) {
   if constexpr (R > 1) {
     if (rows < R) {
@@ -92,12 +91,12 @@ void rows_through_blocks(int64_t rows, const uint32_t* x, int64_t stride, const 
 
 // every row through B adjacent blocks starting at `block`, R rows a pass
 template <int64_t B, int64_t R>
-void all_rows_through_blocks(int64_t block, int64_t rows, const uint32_t* x, int64_t pairs, const uint16_t* w,
+void all_rows_through_blocks(int64_t block, int64_t rows, const at::BFloat16* x, int64_t pairs, const uint16_t* w,
                              const float* bias, at::BFloat16* y, int64_t out_features) {
   const uint16_t* weights = w + block * pairs * kBlockOutputs * 2;
   const int64_t first = block * kBlockOutputs, outputs = std::min(B * kBlockOutputs, out_features - first);
   for (int64_t r0 = 0; r0 < rows; r0 += R) {  // the blocks' later passes read them from L2
-    rows_through_blocks<B, R>(std::min(R, rows - r0), x + r0 * pairs, pairs, weights, pairs, bias, first, outputs,
+    rows_through_blocks<B, R>(std::min(R, rows - r0), x + 2 * r0 * pairs, pairs, weights, pairs, bias, first, outputs,
                               y + r0 * out_features, out_features);
   }
 }
@@ -142,7 +141,7 @@ torch::Tensor bf16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
   // rows read as bf16 pairs: an odd width gets a zero column (its weights' padding is zero too)
   const auto x = in_features % 2 == 0 ? input.contiguous() : torch::constant_pad_nd(input, {0, 1});
   auto out = torch::empty({rows, out_features}, input.options());
-  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   at::BFloat16* y = out.data_ptr<at::BFloat16>();

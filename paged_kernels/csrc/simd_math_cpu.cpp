@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -38,6 +39,14 @@ inline float to_float(scalar_t x) {
   } else {
     return static_cast<float>(x);
   }
+}
+
+// the 4 bytes at `first` (two adjacent bf16 or int16 values: the pair one vdpbf16ps / vpdpwssd lane takes) as one
+// int32, to broadcast; by memcpy, since the values' own type is not int32 (the compiler folds it into the load)
+inline int32_t pair_bits(const void* first) {
+  int32_t bits;
+  std::memcpy(&bits, first, sizeof bits);
+  return bits;
 }
 
 // fp32 rounded to scalar_t: bf16 to nearest, ties to even, a NaN kept a NaN (c10's rounding, by bits)

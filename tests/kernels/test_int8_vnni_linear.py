@@ -1,0 +1,126 @@
+"""The CPU's AVX512-VNNI int8-weight linear (``int8_vnni_pack_weight`` + ``int8_vnni_linear``) is the product of each
+row quantized to int16 in groups of 32 (one scale per group) with the dequantized weight (one scale per 32 weights of
+a row), summed exactly in int32 per group, at any row count and any layer shape; and within 2^-15 of a group's largest
+value of the unquantized product."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from paged_kernels.cpu_extension import cpu_kernels
+from paged_kernels.cpu_features import cpu_flags
+
+VNNI = {"avx512_vnni", "avx512bw"} <= cpu_flags()
+pytestmark = [pytest.mark.avx512_vnni, pytest.mark.skipif(not VNNI, reason="needs a CPU with AVX512-VNNI and -BW")]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
+    assert kernels.has_int8_vnni_linear(), "a CPU with AVX512-VNNI and AVX512-BW builds int8_vnni_linear"
+    return kernels
+
+
+def random_weight(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 weights and one random scale per 32 of them (the last group of a row may be shorter)."""
+    qdata = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    return qdata, torch.rand(out_features, -(-in_features // 32)) / 100
+
+
+def dequantized(qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp64 weight, built element by element."""
+    weight = torch.empty(qdata.shape, dtype=torch.float64)
+    for k in range(qdata.shape[1]):
+        weight[:, k] = qdata[:, k].double() * scale[:, k // 32].double()
+    return weight
+
+
+def int16_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The rows as the kernel quantizes them, in fp64: per group of 32, largest / 32767 times round(x * 32767 /
+    largest), each step in fp32 as the kernel takes it (round half to even)."""
+    values = rows.float()
+    out = torch.empty(values.shape, dtype=torch.float64)
+    for first in range(0, values.shape[1], 32):
+        group = values[:, first:first + 32]
+        largest = group.abs().amax(dim=1, keepdim=True)
+        inverse = torch.where(largest > 0, torch.tensor(32767.0) / largest, torch.zeros_like(largest))
+        out[:, first:first + 32] = (group * inverse).round().double() * (largest / 32767.0).double()
+    return out
+
+
+# shapes off the kernel's blocks: outputs not a multiple of 64, features not a multiple of 32
+SHAPES = [(1, 16), (5, 37), (67, 100), (130, 576)]
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5])
+def test_vnni_linear_is_the_product_of_the_int16_rows_and_the_dequantized_weight(
+    kernels: ModuleType, out_features: int, in_features: int, num_rows: int,
+) -> None:
+    torch.manual_seed(out_features * 1000 + in_features + num_rows)
+    qdata, scale = random_weight(out_features, in_features)
+    bias = torch.randn(out_features)
+    rows = torch.randn(num_rows, in_features)
+    rows[0, : min(32, in_features)] = 0.0  # an all-zero group: scale 0, no division by it
+    packed, packed_scale = kernels.int8_vnni_pack_weight(qdata, scale)
+    weight = dequantized(qdata, scale)
+    for with_bias in (bias, None):
+        got = kernels.int8_vnni_linear(rows, packed, packed_scale, torch.empty(0) if with_bias is None else with_bias,
+                                       in_features, out_features)
+        assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
+        expected = int16_rows(rows) @ weight.T
+        expected = expected if with_bias is None else expected + with_bias.double()
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+        unquantized = rows.double() @ weight.T + (0 if with_bias is None else with_bias.double())
+        torch.testing.assert_close(got.double(), unquantized, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_rows_are_rounded_once(kernels: ModuleType, dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    qdata, scale = random_weight(40, 96)
+    rows = torch.randn(3, 96).to(dtype)
+    got = kernels.int8_vnni_linear(rows, *kernels.int8_vnni_pack_weight(qdata, scale), torch.empty(0), 96, 40)
+    assert got.dtype == dtype
+    expected = (int16_rows(rows) @ dequantized(qdata, scale).T).float()
+    torch.testing.assert_close(got.float(), expected, rtol=torch.finfo(dtype).eps, atol=1e-5)
+
+
+def test_a_packed_weight_pads_its_blocks_and_groups_with_zeros(kernels: ModuleType) -> None:
+    qdata, scale = random_weight(5, 37)
+    packed, packed_scale = kernels.int8_vnni_pack_weight(qdata, scale)
+    assert packed.shape == (1, 32, 64, 2) and packed.dtype == torch.int8
+    unpacked = packed.permute(0, 2, 1, 3).reshape(64, 64)
+    assert torch.equal(unpacked[:5, :37], qdata)
+    assert not unpacked[5:].any() and not unpacked[:, 37:].any()
+    assert packed_scale.shape == (1, 2, 64)
+    unpacked_scale = packed_scale.permute(0, 2, 1).reshape(64, 2)
+    assert torch.equal(unpacked_scale[:5], scale) and not unpacked_scale[5:].any()
+
+
+def test_bad_arguments_are_named(kernels: ModuleType) -> None:
+    qdata, scale = random_weight(8, 32)
+    packed, packed_scale = kernels.int8_vnni_pack_weight(qdata, scale)
+    rows = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="input has 40 features, the weight takes 32"):
+        kernels.int8_vnni_linear(torch.randn(2, 40), packed, packed_scale, torch.empty(0), 32, 8)
+    with pytest.raises(RuntimeError, match="packed must be int8_vnni_pack_weight's layout"):
+        kernels.int8_vnni_linear(torch.randn(2, 48), packed, packed_scale, torch.empty(0), 48, 8)
+    with pytest.raises(RuntimeError, match="packed must be int8_vnni_pack_weight's layout"):
+        kernels.int8_vnni_linear(rows, packed, packed_scale, torch.empty(0), 32, 70)
+    with pytest.raises(RuntimeError, match="packed_scale must be int8_vnni_pack_weight's scales"):
+        kernels.int8_vnni_linear(rows, packed, packed_scale.double(), torch.empty(0), 32, 8)
+    with pytest.raises(RuntimeError, match="bias must be empty or 8"):
+        kernels.int8_vnni_linear(rows, packed, packed_scale, torch.rand(7), 32, 8)
+    with pytest.raises(RuntimeError, match="input must be fp32, bf16 or fp16"):
+        kernels.int8_vnni_linear(rows.double(), packed, packed_scale, torch.empty(0), 32, 8)
+    with pytest.raises(RuntimeError, match="input must be a 2-D CPU tensor"):
+        kernels.int8_vnni_linear(rows[None], packed, packed_scale, torch.empty(0), 32, 8)
+    with pytest.raises(RuntimeError, match="weight must be 2-D int8"):
+        kernels.int8_vnni_pack_weight(qdata.float(), scale)
+    with pytest.raises(RuntimeError, match=r"scale must be fp32 \[8, 1\]"):
+        kernels.int8_vnni_pack_weight(qdata, torch.rand(8, 2))
