@@ -108,3 +108,16 @@ def test_bad_arguments_are_named(native_kernels: ModuleType) -> None:
         native_kernels.int8_pack_weight(qdata.float(), scale)
     with pytest.raises(RuntimeError, match=r"scale must be fp32 \[8, 1\]"):
         native_kernels.int8_pack_weight(qdata, torch.rand(8, 2))
+
+
+@pytest.mark.x86_builds
+@pytest.mark.parametrize("build", ["avx2", "baseline"])
+def test_builds_without_avx512_refuse_its_kernels_by_name(request: pytest.FixtureRequest, build: str) -> None:
+    kernels = request.getfixturevalue(f"{build}_kernels")
+    assert not kernels.has_bf16_linear() and not kernels.has_int8_vnni_linear()
+    weight = torch.zeros(1, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16_linear: this build has no AVX512-BF16"):
+        kernels.bf16_linear(weight, kernels.bf16_pack_weight(weight), torch.empty(0), 2, 1)
+    packed, packed_scale = kernels.int8_vnni_pack_weight(*random_weight(1, 32))
+    with pytest.raises(RuntimeError, match="int8_vnni_linear: this build has no AVX512-VNNI"):
+        kernels.int8_vnni_linear(torch.zeros(1, 32), packed, packed_scale, torch.empty(0), 32, 1)
