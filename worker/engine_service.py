@@ -78,7 +78,10 @@ class EngineService:
         """Build the engine on the stepping thread itself and start stepping it there; return once it is built
         (re-raising what the build raised). torch's CPU kernels run slower on a thread other than the one that
         loaded and packed the model: 180-218 ms against 111-117 ms per decode step of 32 sequences of
-        SmolLM2-135M on 2 CPUs (bf16, oneDNN-packed weights)."""
+        SmolLM2-135M on 2 CPUs (bf16, oneDNN-packed weights). The cause is libgomp's: it keeps a team of threads
+        for each thread that ran a parallel region, and once it manages more threads than there are CPUs it stops
+        spinning between regions, so every region waits for its team to wake (a tiny bf16_linear call: 28 us
+        against 1.9). Any large torch op on another thread of the worker would bring that back."""
         service = cls(None, **callbacks)
         built = threading.Event()
         failure: list[BaseException] = []
