@@ -20,7 +20,8 @@ from paged_kernels.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# one translation unit, in this order: simd_math_cpu.cpp's exponential and conversions serve the files after it
+# one translation unit, in this order: simd_math_cpu.cpp's exponential and conversions serve the files after it,
+# int8_linear_cpu.cpp's packing and argument checks int8_vnni_linear_cpu.cpp
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp", "int8_linear_cpu.cpp",
                         "int8_vnni_linear_cpu.cpp", "bf16_linear_cpu.cpp")]

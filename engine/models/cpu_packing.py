@@ -130,7 +130,6 @@ def packed_layer_type(dtype: torch.dtype, device: torch.device, mode: str = "aut
         return None
     if mode == "fp16" or (mode == "auto" and has_fbgemm_fp16()):
         return Fp16Linear  # "fp16" where fbgemm cannot run it was refused by EngineConfig
-
     return PackedLinear
 
 

@@ -40,8 +40,7 @@ _ACTIVATION_ZERO_POINT = 128
 # 6.1 / 6.6 / 9.0 for fbgemm's fp16 weights, the many-rows layers of bf16 and fp32 models there; the AVX2 build
 # (int8_linear's path without AVX-512) took 5.0 / 5.9 / 11.0 ms at 1 / 2 / 4 rows against 8.7 / 8.7 / 9.2 ms for
 # fbgemm's fp16 weights, the many-rows layers of such CPUs.
-HAS_VNNI = {"avx512_vnni", "avx512bw"} <= cpu_flags()
-INT8_KERNEL_MAX_ROWS = 4 if HAS_VNNI else 1 if "avx512f" in cpu_flags() else 2
+INT8_KERNEL_MAX_ROWS = 4 if {"avx512_vnni", "avx512bw"} <= cpu_flags() else 1 if "avx512f" in cpu_flags() else 2
 GROUP_SIZE = 32  # weights per scale, as llama.cpp's Q8_0 (SmolLM2 in bf16: mean |log-prob change| 0.054 nats
 # per token from exact fp32 with groups of 32, 0.095 with one scale per row; bf16 alone 0.038)
 

@@ -162,48 +162,69 @@ void block_sums_for(int64_t rows, const float* x, int64_t stride, const int8_t* 
 
 }  // namespace
 
+// An int8 weight [out, in] and its fp32 scales [out, ceil(in / 32)] zero-padded to `block_outputs` rows and whole
+// groups of 32 and packed by blocks: (weights [blocks, ceil(in / width), block_outputs, width], each block's rows
+// interleaved by runs of `width` features; scales [blocks, ceil(in / 32), block_outputs]). int8_pack_weight's and
+// int8_vnni_pack_weight's layouts; `name` is the caller's, for its errors.
+std::tuple<torch::Tensor, torch::Tensor> pack_int8_blocks(const char* name, const torch::Tensor& weight,
+                                                          const torch::Tensor& scale, int64_t block_outputs,
+                                                          int64_t width) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, name, ": weight must be 2-D int8");
+  const int64_t out = weight.size(0), in = weight.size(1);
+  const int64_t blocks = (out + block_outputs - 1) / block_outputs, groups = groups_of(in);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == out &&
+                  scale.size(1) == groups,
+              name, ": scale must be fp32 [", out, ", ", groups, "] (one per 32 weights of a row)");
+  auto padded = torch::zeros({blocks * block_outputs, groups * kGroup}, weight.options());
+  padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
+  auto padded_scale = torch::zeros({blocks * block_outputs, groups}, scale.options());
+  padded_scale.narrow(0, 0, out).copy_(scale);
+  return {padded.view({blocks, block_outputs, groups * kGroup / width, width}).permute({0, 2, 1, 3}).contiguous(),
+          padded_scale.view({blocks, block_outputs, groups}).permute({0, 2, 1}).contiguous()};
+}
+
+// The checks int8_linear and int8_vnni_linear share (`name`: the caller's; `pack_name`: the function that packed the
+// weight it takes): a 2-D fp32/bf16/fp16 CPU input of in_features, pack_int8_blocks' layout of an [out_features,
+// in_features] weight in blocks of `block_outputs` and runs of `width`, and an empty or fp32 bias.
+void check_int8_linear_args(const char* name, const char* pack_name, const torch::Tensor& input,
+                            const torch::Tensor& packed, const torch::Tensor& packed_scale, const torch::Tensor& bias,
+                            int64_t in_features, int64_t out_features, int64_t block_outputs, int64_t width) {
+  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, name, ": input must be a 2-D CPU tensor");
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
+                  input.scalar_type() == at::kHalf,
+              name, ": input must be fp32, bf16 or fp16, got ", input.scalar_type());
+  TORCH_CHECK(input.size(1) == in_features, name, ": input has ", input.size(1), " features, the weight takes ",
+              in_features);
+  TORCH_CHECK(packed.device().is_cpu() && packed_scale.device().is_cpu() && bias.device().is_cpu(), name,
+              ": packed, packed_scale and bias must be CPU tensors");
+  const int64_t blocks = (out_features + block_outputs - 1) / block_outputs, groups = groups_of(in_features);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == blocks && packed.size(1) == groups * kGroup / width &&
+                  packed.size(2) == block_outputs && packed.size(3) == width,
+              name, ": packed must be ", pack_name, "'s layout of a [", out_features, ", ", in_features, "] weight");
+  TORCH_CHECK(packed_scale.scalar_type() == at::kFloat && packed_scale.is_contiguous() &&
+                  packed_scale.numel() == blocks * groups * block_outputs,
+              name, ": packed_scale must be ", pack_name, "'s scales of a [", out_features, ", ", in_features,
+              "] weight");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == out_features &&
+                                    bias.is_contiguous()),
+              name, ": bias must be empty or ", out_features, " contiguous fp32 values");
+}
+
 // An int8 weight [out, in] and its fp32 scales [out, ceil(in / 32)] (one per 32 weights of a row) in the blocked
 // layout int8_linear reads: (weights [ceil(out / 4), ceil(in / 32) * 2, 4, 16], scales [ceil(out / 4),
 // ceil(in / 32), 4]), zero-padded
 std::tuple<torch::Tensor, torch::Tensor> int8_pack_weight(torch::Tensor weight, torch::Tensor scale) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "int8_pack_weight: weight must be 2-D int8");
-  const int64_t out = weight.size(0), in = weight.size(1);
-  const int64_t blocks = blocks_of(out), groups = groups_of(in);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == out &&
-                  scale.size(1) == groups,
-              "int8_pack_weight: scale must be fp32 [", out, ", ", groups, "] (one per 32 weights of a row)");
-  auto padded = torch::zeros({blocks * kBlockOutputs, groups * kGroup}, weight.options());
-  padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
-  auto padded_scale = torch::zeros({blocks * kBlockOutputs, groups}, scale.options());
-  padded_scale.narrow(0, 0, out).copy_(scale);
-  return {padded.view({blocks, kBlockOutputs, groups * kChunksPerGroup, kChunk}).permute({0, 2, 1, 3}).contiguous(),
-          padded_scale.view({blocks, kBlockOutputs, groups}).permute({0, 2, 1}).contiguous()};
+  return pack_int8_blocks("int8_pack_weight", weight, scale, kBlockOutputs, kChunk);
 }
 
 // input [T, in_features] (fp32, bf16 or fp16) times the [out_features, in_features] int8 weight packed by
 // int8_pack_weight, plus fp32 bias [out_features] (an empty tensor: none) -> [T, out_features] in the input's dtype
 torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor packed_scale, torch::Tensor bias,
                           int64_t in_features, int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, "int8_linear: input must be a 2-D CPU tensor");
-  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
-                  input.scalar_type() == at::kHalf,
-              "int8_linear: input must be fp32, bf16 or fp16, got ", input.scalar_type());
-  TORCH_CHECK(input.size(1) == in_features, "int8_linear: input has ", input.size(1), " features, the weight takes ",
-              in_features);
-  TORCH_CHECK(packed.device().is_cpu() && packed_scale.device().is_cpu() && bias.device().is_cpu(),
-              "int8_linear: packed, packed_scale and bias must be CPU tensors");
+  check_int8_linear_args("int8_linear", "int8_pack_weight", input, packed, packed_scale, bias, in_features,
+                         out_features, kBlockOutputs, kChunk);
   const int64_t in = in_features, rows = input.size(0), blocks = blocks_of(out_features), groups = groups_of(in);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == blocks && packed.size(1) == groups * kChunksPerGroup &&
-                  packed.size(2) == kBlockOutputs && packed.size(3) == kChunk,
-              "int8_linear: packed must be int8_pack_weight's layout of a [", out_features, ", ", in, "] weight");
-  TORCH_CHECK(packed_scale.scalar_type() == at::kFloat && packed_scale.is_contiguous() &&
-                  packed_scale.numel() == blocks * groups * kBlockOutputs,
-              "int8_linear: packed_scale must be int8_pack_weight's scales of a [", out_features, ", ", in,
-              "] weight");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == out_features &&
-                                    bias.is_contiguous()),
-              "int8_linear: bias must be empty or ", out_features, " contiguous fp32 values");
   const int64_t stride = groups * kGroup;  // the rows in fp32, zero-padded to whole groups; read from cache
   const auto x = stride == in ? input.to(at::kFloat).contiguous()
                               : torch::constant_pad_nd(input.to(at::kFloat), {0, stride - in});

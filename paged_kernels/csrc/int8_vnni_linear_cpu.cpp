@@ -24,12 +24,12 @@ namespace int8_vnni_kernel {
 // [ceil(out / 64), ceil(in / 32), 64]; zero-padded
 constexpr int64_t kBlockOutputs = 64;
 constexpr int64_t kVectors = kBlockOutputs / 16;
-constexpr int64_t kGroup = 32;  // weights per scale, features per activation scale
+// kGroup (32 weights per scale, here also 32 features per activation scale), groups_of, pack_int8_blocks and
+// check_int8_linear_args are int8_linear_cpu.cpp's, earlier in the translation unit
 constexpr int64_t kPairsPerGroup = kGroup / 2;
 constexpr int64_t kRowsPerPass = 2;  // 2 rows x 4 vectors of int32 and of fp32 sums, 4 of weights: 20 registers
 constexpr float kInt16Max = 32767.f;
 
-int64_t groups_of(int64_t in) { return (in + kGroup - 1) / kGroup; }
 int64_t blocks_of(int64_t out) { return (out + kBlockOutputs - 1) / kBlockOutputs; }
 
 // a row's `in` values as int16 in groups of 32 (zero-padded to whole groups) and each group's scale (its largest
@@ -113,18 +113,7 @@ bool has_int8_vnni_linear() {
 // An int8 weight [out, in] and its fp32 scales [out, ceil(in / 32)] in the layout int8_vnni_linear reads: (weights
 // [ceil(out / 64), ceil(in / 32) * 16, 64, 2], scales [ceil(out / 64), ceil(in / 32), 64]), zero-padded
 std::tuple<torch::Tensor, torch::Tensor> int8_vnni_pack_weight(torch::Tensor weight, torch::Tensor scale) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2,
-              "int8_vnni_pack_weight: weight must be 2-D int8");
-  const int64_t out = weight.size(0), in = weight.size(1), blocks = blocks_of(out), groups = groups_of(in);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == out &&
-                  scale.size(1) == groups,
-              "int8_vnni_pack_weight: scale must be fp32 [", out, ", ", groups, "] (one per 32 weights of a row)");
-  auto padded = torch::zeros({blocks * kBlockOutputs, groups * kGroup}, weight.options());
-  padded.narrow(0, 0, out).narrow(1, 0, in).copy_(weight);
-  auto padded_scale = torch::zeros({blocks * kBlockOutputs, groups}, scale.options());
-  padded_scale.narrow(0, 0, out).copy_(scale);
-  return {padded.view({blocks, kBlockOutputs, groups * kPairsPerGroup, 2}).permute({0, 2, 1, 3}).contiguous(),
-          padded_scale.view({blocks, kBlockOutputs, groups}).permute({0, 2, 1}).contiguous()};
+  return pack_int8_blocks("int8_vnni_pack_weight", weight, scale, kBlockOutputs, 2);
 }
 
 // input [T, in_features] (fp32, bf16 or fp16) times the [out_features, in_features] int8 weight packed by
@@ -132,27 +121,9 @@ std::tuple<torch::Tensor, torch::Tensor> int8_vnni_pack_weight(torch::Tensor wei
 // dtype
 torch::Tensor int8_vnni_linear(torch::Tensor input, torch::Tensor packed, torch::Tensor packed_scale,
                                torch::Tensor bias, int64_t in_features, int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, "int8_vnni_linear: input must be a 2-D CPU tensor");
-  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
-                  input.scalar_type() == at::kHalf,
-              "int8_vnni_linear: input must be fp32, bf16 or fp16, got ", input.scalar_type());
-  TORCH_CHECK(input.size(1) == in_features, "int8_vnni_linear: input has ", input.size(1),
-              " features, the weight takes ", in_features);
-  TORCH_CHECK(packed.device().is_cpu() && packed_scale.device().is_cpu() && bias.device().is_cpu(),
-              "int8_vnni_linear: packed, packed_scale and bias must be CPU tensors");
+  check_int8_linear_args("int8_vnni_linear", "int8_vnni_pack_weight", input, packed, packed_scale, bias,
+                         in_features, out_features, kBlockOutputs, 2);
   const int64_t in = in_features, rows = input.size(0), blocks = blocks_of(out_features), groups = groups_of(in);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == blocks && packed.size(1) == groups * kPairsPerGroup &&
-                  packed.size(2) == kBlockOutputs && packed.size(3) == 2,
-              "int8_vnni_linear: packed must be int8_vnni_pack_weight's layout of a [", out_features, ", ", in,
-              "] weight");
-  TORCH_CHECK(packed_scale.scalar_type() == at::kFloat && packed_scale.is_contiguous() &&
-                  packed_scale.numel() == blocks * groups * kBlockOutputs,
-              "int8_vnni_linear: packed_scale must be int8_vnni_pack_weight's scales of a [", out_features, ", ", in,
-              "] weight");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == out_features &&
-                                    bias.is_contiguous()),
-              "int8_vnni_linear: bias must be empty or ", out_features, " contiguous fp32 values");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const auto x = input.contiguous();
   auto out = torch::empty({rows, out_features}, input.options());
