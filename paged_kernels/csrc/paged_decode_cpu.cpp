@@ -158,8 +158,12 @@ inline void prefetch_rows(const scalar_t* const* rows, int64_t count, int64_t by
 constexpr int64_t kValueChunk = 32;  // positions per pass of the weighted sum: their V rows stay in L1
 constexpr int64_t kPrefetchAhead = 4 * kLanes;  // how far ahead of the scores the K rows are asked for
 
-// one head's scores over ``length`` positions turned into e^(score - max), in place; returns 1 / their sum
-inline float exponentiate(float* scores, int64_t length) {
+// one head's scores over ``length`` positions turned into e^(score - max), in place; returns that max and the
+// sum of the exponentials
+struct Softmax {
+  float top, total;
+};
+inline Softmax exponentiate(float* scores, int64_t length) {
   float top = scores[0];
 #pragma omp simd reduction(max : top)
   for (int64_t pos = 0; pos < length; ++pos) top = std::max(top, scores[pos]);
@@ -169,7 +173,7 @@ inline float exponentiate(float* scores, int64_t length) {
     scores[pos] = exp_nonpositive(scores[pos] - top);
     total += scores[pos];
   }
-  return 1.f / total;
+  return {top, total};
 }
 
 // sums[h][0, head_dim) += the NH heads' weights (rows of ``stride``) times the V values at ``offset`` of ``count``
@@ -208,8 +212,19 @@ inline void for_head_groups(int64_t num_kv_heads, int64_t group, F&& f) {
   }
 }
 
+// positions of one sequence's context per task at the least, when its context is split so that fewer sequences
+// than threads still keep every thread busy: a shorter part costs more in its set-up and merge than it saves
+constexpr int64_t kMinPartPositions = 64;
+
+// a part of a sequence's context, attended by one task: every head's e^(score - top) weighted sum of the V rows
+// and the softmax terms that merge it with the sequence's other parts
+struct PartResult {
+  std::vector<float> sums;  // [H, D], not divided by the total
+  std::vector<Softmax> softmax;  // [H]
+};
+
 template <typename scalar_t>
-void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
+void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* key_cache, const scalar_t* value_cache,
                  const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  int64_t block_size, int64_t table_width, float scale) {
@@ -217,23 +232,35 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
   const int64_t row = num_kv_heads * head_dim;      // one token's K (or V) row: every KV head side by side
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t block_stride = block_size * row;
-  // one sequence per task: its K rows are read once in order, then its V rows
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(num_heads * head_dim), scores, sums(num_heads * head_dim), inverse_totals(num_heads);
+  // tasks: each sequence's context in parts (one part unless fewer sequences than threads decode), in order
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted_parts = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
+  std::vector<int64_t> first_task(num_seqs + 1, 0);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t parts = std::clamp<int64_t>(context_lens[seq] / kMinPartPositions, 1, wanted_parts);
+    first_task[seq + 1] = first_task[seq] + parts;
+  }
+  std::vector<PartResult> split_results(num_seqs == first_task[num_seqs] ? 0 : first_task[num_seqs]);
+  at::parallel_for(0, first_task[num_seqs], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(num_heads * head_dim), scores, sums(num_heads * head_dim);
+    std::vector<Softmax> softmax(num_heads);
     std::vector<const scalar_t*> key_rows, value_rows;
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t length = context_lens[seq], stride = padded(length);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const int64_t parts = first_task[seq + 1] - first_task[seq], part = task - first_task[seq];
+      const int64_t first_pos = context_lens[seq] * part / parts;
+      const int64_t length = context_lens[seq] * (part + 1) / parts - first_pos, stride = padded(length);
       const int32_t* table = block_tables + seq * table_width;
       // each position's rows, padded with the first one to whole chunks of scores
-      key_rows.assign(stride, key_cache + table[0] * block_stride);
       value_rows.resize(length);
-      for (int64_t pos = 0; pos < length; ++pos) {
-        const int64_t at = table[pos / block_size] * block_stride + (pos % block_size) * row;
-        key_rows[pos] = key_cache + at;
-        value_rows[pos] = value_cache + at;
+      for (int64_t i = 0; i < length; ++i) {
+        const int64_t pos = first_pos + i;
+        value_rows[i] = value_cache + table[pos / block_size] * block_stride + (pos % block_size) * row;
       }
+      key_rows.assign(stride, nullptr);
+      for (int64_t i = 0; i < stride; ++i) key_rows[i] = key_cache + (value_rows[i < length ? i : 0] - value_cache);
       prefetch_rows(key_rows.data(), std::min(kPrefetchAhead, length), row_bytes);
-      const scalar_t* seq_query = query + seq * num_heads * head_dim;
+      const scalar_t* seq_query = query + seq * query_stride;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = to_float(seq_query[i]) * scale;
       scores.resize(num_heads * stride);
       for (int64_t first = 0; first < length; first += kLanes) {
@@ -247,7 +274,7 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
                                                kv_head * head_dim, scores.data() + head * stride + first, stride);
         });
       }
-      for (int64_t h = 0; h < num_heads; ++h) inverse_totals[h] = exponentiate(scores.data() + h * stride, length);
+      for (int64_t h = 0; h < num_heads; ++h) softmax[h] = exponentiate(scores.data() + h * stride, length);
       std::fill(sums.begin(), sums.end(), 0.f);
       for (int64_t first = 0; first < length; first += kValueChunk) {
         const int64_t count = std::min(kValueChunk, length - first);
@@ -259,25 +286,54 @@ void decode_rows(const scalar_t* query, const scalar_t* key_cache, const scalar_
                                                  value_rows.data() + first, kv_head * head_dim);
         });
       }
+      if (parts > 1) {  // merged below, once every part is done
+        split_results[task] = {sums, softmax};
+        continue;
+      }
       scalar_t* seq_out = out + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
+        const float inverse_total = 1.f / softmax[h].total;
         for (int64_t d = 0; d < head_dim; ++d) {
-          seq_out[h * head_dim + d] = from_float<scalar_t>(sums[h * head_dim + d] * inverse_totals[h]);
+          seq_out[h * head_dim + d] = from_float<scalar_t>(sums[h * head_dim + d] * inverse_total);
         }
       }
     }
   });
+  // a split sequence's parts, each scaled by e^(its top - the sequence's top)
+  for (int64_t seq = 0; seq < num_seqs && !split_results.empty(); ++seq) {
+    if (first_task[seq + 1] - first_task[seq] == 1) continue;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float top = split_results[first_task[seq]].softmax[h].top, total = 0.f;
+      for (int64_t task = first_task[seq]; task < first_task[seq + 1]; ++task) {
+        top = std::max(top, split_results[task].softmax[h].top);
+      }
+      std::vector<float> merged(head_dim, 0.f);
+      for (int64_t task = first_task[seq]; task < first_task[seq + 1]; ++task) {
+        const PartResult& result = split_results[task];
+        const float weight = exp_nonpositive(result.softmax[h].top - top);
+        total += weight * result.softmax[h].total;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * result.sums[h * head_dim + d];
+      }
+      scalar_t* head_out = out + (seq * num_heads + h) * head_dim;
+      const float inverse_total = 1.f / total;
+      for (int64_t d = 0; d < head_dim; ++d) head_out[d] = from_float<scalar_t>(merged[d] * inverse_total);
+    }
+  }
 }
 
 }  // namespace
 
-// query [S, H, D], caches [num_blocks, block_size, KV, D] (contiguous, query's dtype),
-// block_tables [S, W] int32, context_lens [S] int32 -> [S, H, D]. The caller has checked the values.
+// query [S, H, D] (heads contiguous, rows at any stride: the query part of the fused projection), caches
+// [num_blocks, block_size, KV, D] (contiguous, query's dtype), block_tables [S, W], context_lens [S] -> [S, H, D].
+// The caller has checked the values.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  auto out = torch::empty_like(query);
+  if (query.stride(2) != 1 || query.stride(1) != query.size(2)) query = query.contiguous();
+  block_tables = block_tables.to(at::kInt).contiguous();
+  context_lens = context_lens.to(at::kInt).contiguous();
+  auto out = torch::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode_rows<scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+    decode_rows<scalar_t>(query.data_ptr<scalar_t>(), query.stride(0), key_cache.data_ptr<scalar_t>(),
                           value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
                           context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), query.size(0),
                           query.size(1), key_cache.size(2), query.size(2), key_cache.size(1),

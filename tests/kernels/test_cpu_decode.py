@@ -1,4 +1,5 @@
-"""The CPU backend's compiled decode attention equals plain per-token attention, and is what the CPU runs."""
+"""The CPU backend's compiled decode attention equals plain per-token attention, its cache writes put each row in its
+slot, and it is what the CPU runs."""
 
 from __future__ import annotations
 
@@ -105,6 +106,74 @@ def test_the_avx2_build_decodes_like_naive_attention(avx2_kernels: ModuleType, d
         out = avx2_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.125)
         expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
         torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("context_lens", "threads"), [([300], 2), ([700, 64, 130], 4), ([63, 200], 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_sequences_than_threads_split_their_contexts_and_merge_them(
+    context_lens: list[int], threads: int, dtype: torch.dtype,
+) -> None:
+    # each sequence's context in parts of at least 64 positions, as many as it takes to give every thread one,
+    # merged by each part's softmax max and total: a sequence of 63 positions stays whole, one of 700 takes two
+    torch.manual_seed(6)
+    query, key_cache, value_cache, tables, lens = _case(context_lens, 16, 9, 3, 64, dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+        torch.set_num_threads(1)  # one task per sequence: the whole context at once
+        whole = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out, whole, atol=tolerance, rtol=tolerance)
+
+
+def test_compiled_decode_reads_query_rows_at_their_stride() -> None:
+    # the model hands the kernel the query part of its fused projection: rows 2x wider than the heads
+    torch.manual_seed(4)
+    query, key_cache, value_cache, tables, lens = _case([7, 40, 1], 8, 6, 2, 32, torch.bfloat16)
+    fused = torch.cat([query, torch.randn_like(query)], dim=1)
+    strided = fused[:, :6]
+    plan = cpu_ops.plan_decode(strided, key_cache, value_cache, tables, lens)
+    assert isinstance(plan, cpu_ops.CompiledDecodePlan) and strided.stride(0) == 2 * 6 * 32
+    out = cpu_ops.paged_attention_decode(strided, key_cache, value_cache, tables, lens, 0.125, plan=plan)
+    assert torch.equal(out, cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125))
+
+
+def cache_written_row_by_row(key, value, key_cache, value_cache, slots):  # type: ignore[no-untyped-def]
+    """The oracle of a cache write: each token's K and V rows assigned to their slot, one by one (-1: none)."""
+    keys, values = key_cache.clone().flatten(0, 1), value_cache.clone().flatten(0, 1)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            keys[slot], values[slot] = key[token].to(keys.dtype), value[token].to(values.dtype)
+    return keys.view_as(key_cache), values.view_as(value_cache)
+
+
+@pytest.mark.parametrize(("dtype", "slot_dtype"), [(torch.float32, torch.int64), (torch.bfloat16, torch.int32),
+                                                   (torch.float16, torch.int64)])
+def test_compiled_cache_write_puts_each_row_in_its_slot(dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    key_cache, value_cache = (torch.randn(6, 4, 3, 20).to(dtype) for _ in range(2))
+    fused = torch.randn(5, 9, 20).to(dtype)  # K and V as strided views of one projection, as the model has them
+    key, value = fused[:, 3:6], fused[:, 6:9]
+    slots = torch.tensor([0, -1, 23, 9, 10], dtype=slot_dtype)
+    expected = cache_written_row_by_row(key, value, key_cache, value_cache, slots)
+    cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slots, slot_range=(-1, 23))
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+
+
+def test_a_cache_write_in_another_dtype_or_out_of_range_is_the_reference_s() -> None:
+    key_cache, value_cache = (torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16) for _ in range(2))
+    key = torch.randn(2, 1, 8)  # fp32 rows into a bf16 cache: converted, as the reference does
+    slots = torch.tensor([7, 1])
+    expected = cache_written_row_by_row(key, key, key_cache, value_cache, slots)
+    cpu_ops.reshape_and_cache(key, key, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+    with pytest.raises(ValueError, match=r"slot_mapping must be -1 or in \[0, 8\)"):
+        cpu_ops.reshape_and_cache(key.bfloat16(), key.bfloat16(), key_cache, value_cache, torch.tensor([8, 0]))
 
 
 def test_compiled_decode_checks_its_arguments_like_the_reference() -> None:
