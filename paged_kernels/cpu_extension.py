@@ -37,15 +37,17 @@ def extension_name() -> str:
     return f"pagedserve_cpu_kernels_{digest}"
 
 
-def build_kernels(name: str, sources: list[str], march: str = "native", sanitizer: str | None = None) -> ModuleType:
+def build_kernels(name: str, sources: list[str], march: str = "native", sanitizer: str | None = None,
+                  functions: list[str] | None = None) -> ModuleType:
     """Compile ``sources`` (the texts of ``SOURCES``, in order) as the extension ``name`` for ``-march=march``
     (with ``-fsanitize=sanitizer`` for the tests' checked builds), or load that build from the extension cache;
-    raises what the build raised."""
+    raises what the build raised. ``functions``: those the module exposes (``FUNCTIONS`` unless given: an older
+    revision's sources define fewer)."""
     from torch.utils.cpp_extension import load_inline  # setuptools and friends: only when asked for
 
     sanitize = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer"] if sanitizer else []
     return load_inline(
-        name=name, cpp_sources=sources, functions=FUNCTIONS,
+        name=name, cpp_sources=sources, functions=FUNCTIONS if functions is None else functions,
         # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch)
         extra_cflags=["-O3", f"-march={march}", "-fopenmp", *sanitize], extra_ldflags=["-fopenmp", *sanitize],
     )

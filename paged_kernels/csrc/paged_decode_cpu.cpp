@@ -212,9 +212,24 @@ inline void for_head_groups(int64_t num_kv_heads, int64_t group, F&& f) {
   }
 }
 
-// positions of one sequence's context per task at the least, when its context is split so that fewer sequences
-// than threads still keep every thread busy: a shorter part costs more in its set-up and merge than it saves
-constexpr int64_t kMinPartPositions = 64;
+// positions of one sequence's context per task at the least, when contexts are split to spread the work evenly over
+// the threads: a sequence of 128 positions in two parts of 64 took 1.31x its time whole, one of 256 in two parts
+// 0.95x, one of 1024 0.51x (one row, one thread against two, on a Zen 4)
+constexpr int64_t kMinPartPositions = 128;
+constexpr int64_t kMaxParts = 4;
+
+// parts per sequence (1 to kMaxParts) that spread num_seqs sequences of equal work most evenly over the threads: the
+// fewest with the least work on the busiest thread, ceil(num_seqs * parts / threads) / parts, if that is under 0.9 of
+// the whole sequences' (3 sequences on 2 threads: 2 parts each, 3 tasks a thread, against 2 sequences on one thread;
+// 17 sequences on 2 threads stay whole: a thread with 9 against 8.5 is not worth the merges)
+int64_t even_parts(int64_t num_seqs, int64_t threads) {
+  auto busiest = [&](int64_t parts) { return (num_seqs * parts + threads - 1) / threads; };
+  int64_t best = 1;
+  for (int64_t parts = 2; parts <= kMaxParts; ++parts) {
+    if (busiest(parts) * best < busiest(best) * parts) best = parts;  // busiest(parts) / parts < busiest(best) / best
+  }
+  return busiest(best) * 10 < busiest(1) * 9 * best ? best : 1;
+}
 
 // a part of a sequence's context, attended by one task: every head's e^(score - top) weighted sum of the V rows
 // and the softmax terms that merge it with the sequence's other parts
@@ -232,9 +247,8 @@ void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* ke
   const int64_t row = num_kv_heads * head_dim;      // one token's K (or V) row: every KV head side by side
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t block_stride = block_size * row;
-  // tasks: each sequence's context in parts (one part unless fewer sequences than threads decode), in order
-  const int64_t threads = at::get_num_threads();
-  const int64_t wanted_parts = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
+  // tasks: each sequence's context in parts (one part where the sequences alone spread evenly), in order
+  const int64_t wanted_parts = even_parts(num_seqs, at::get_num_threads());
   std::vector<int64_t> first_task(num_seqs + 1, 0);
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t parts = std::clamp<int64_t>(context_lens[seq] / kMinPartPositions, 1, wanted_parts);

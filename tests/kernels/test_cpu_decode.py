@@ -108,13 +108,15 @@ def test_the_avx2_build_decodes_like_naive_attention(avx2_kernels: ModuleType, d
         torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize(("context_lens", "threads"), [([300], 2), ([700, 64, 130], 4), ([63, 200], 5)])
+@pytest.mark.parametrize(("context_lens", "threads"), [([300], 2), ([700, 64, 130], 4), ([63, 300], 5),
+                                                     ([300, 260, 400], 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fewer_sequences_than_threads_split_their_contexts_and_merge_them(
     context_lens: list[int], threads: int, dtype: torch.dtype,
 ) -> None:
-    # each sequence's context in parts of at least 64 positions, as many as it takes to give every thread one,
-    # merged by each part's softmax max and total: a sequence of 63 positions stays whole, one of 700 takes two
+    # contexts in parts of at least 128 positions where the sequences alone would leave threads idle (one sequence on
+    # two threads, three on two or four), merged by each part's softmax max and total: 63, 64 and 130 positions
+    # stay whole, 700 take four parts on four threads
     torch.manual_seed(6)
     query, key_cache, value_cache, tables, lens = _case(context_lens, 16, 9, 3, 64, dtype)
     previous = torch.get_num_threads()
