@@ -1,7 +1,8 @@
-"""Run by test_kernels_under_asan.py in a process with AddressSanitizer's runtime preloaded: the CPU's linear kernels,
-built with ``-fsanitize=address``, over shapes off their blocks and row counts across their passes, each result
-checked against fp64. A read or write outside a tensor aborts the process with ASan's report; a wrong value fails an
-assertion."""
+"""Run by test_kernels_under_asan.py in a process with AddressSanitizer's runtime preloaded: the CPU's kernels, built
+with ``-fsanitize=address``: the linear layers over shapes off their blocks and row counts across their passes, decode
+attention over contexts whole and split across threads, and the KV cache write over strided rows; each result checked
+against fp64 (the cache write against a copy row by row). A read or write outside a tensor aborts the process with
+ASan's report; a wrong value fails an assertion."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from paged_kernels.cpu_extension import SOURCES, build_kernels
 
 SHAPES = [(1, 1), (1, 2), (5, 37), (31, 3), (33, 5), (65, 8), (67, 100), (97, 33), (130, 70)]
 ROWS = [0, 1, 2, 3, 5, 6, 7, 12, 13, 19]
+# decode: (context lengths, block size, query heads, KV heads, head_dim, threads); one or three sequences on two or
+# four threads split their contexts of 256 positions or more into parts
+DECODE_CASES = [([1], 16, 9, 3, 64, 2), ([300], 16, 9, 3, 64, 2), ([517, 3, 260], 8, 8, 2, 36, 4),
+                ([1000], 1, 4, 4, 80, 4), ([40, 7], 4, 6, 1, 40, 2)]
 
 
 def close(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> bool:
@@ -47,7 +52,44 @@ def main() -> None:
                     expected = rows_bf16.double() @ weight.double().T + added
                     assert close(got, expected, 2**-7, 1e-3), ("bf16_linear", out_features, in_features, rows)
                     checked += 1
+    checked += check_decode(kernels) + check_cache_write(kernels)
     print(f"checked {checked} calls")
+
+
+def check_decode(kernels) -> int:  # type: ignore[no-untyped-def]
+    """paged_decode over caches without a spare block (every block in some table, in scattered order, so that a
+    read past a block in use often leaves the cache), against fp64 attention."""
+    for lens, block_size, heads, kv_heads, head_dim, threads in DECODE_CASES:
+        torch.set_num_threads(threads)
+        used = [-(-length // block_size) for length in lens]
+        key_cache, value_cache = (torch.randn(sum(used), block_size, kv_heads, head_dim).bfloat16() for _ in range(2))
+        order = torch.randperm(sum(used)).to(torch.int32)
+        tables = torch.zeros(len(lens), max(used), dtype=torch.int32)
+        for seq, (start, count) in enumerate(zip([0, *torch.tensor(used).cumsum(0).tolist()], used)):
+            tables[seq, :count] = order[start:start + count]
+        query = torch.randn(len(lens), heads, head_dim).bfloat16()
+        got = kernels.paged_decode(query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+        for seq, length in enumerate(lens):
+            slots = [int(tables[seq, p // block_size]) * block_size + p % block_size for p in range(length)]
+            keys, values = (cache.flatten(0, 1)[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+                            for cache in (key_cache, value_cache))
+            weights = (torch.einsum("hd,lhd->hl", query[seq].double(), keys) * 0.125).softmax(-1)
+            assert close(got[seq], torch.einsum("hl,lhd->hd", weights, values), 2e-2, 2e-2), ("paged_decode", lens)
+    torch.set_num_threads(2)
+    return len(DECODE_CASES)
+
+
+def check_cache_write(kernels) -> int:  # type: ignore[no-untyped-def]
+    """write_kv_cache_ of K and V views of one projection into the cache's first and last slots, one skipped."""
+    key_cache, value_cache = (torch.zeros(3, 4, 2, 24, dtype=torch.float16) for _ in range(2))
+    fused = torch.randn(3, 6, 24).half()
+    slots = torch.tensor([11, -1, 0])
+    kernels.write_kv_cache_(fused[:, 2:4], fused[:, 4:], key_cache, value_cache, slots)
+    for token, slot in ((0, 11), (2, 0)):
+        assert torch.equal(key_cache.flatten(0, 1)[slot], fused[token, 2:4]), ("write_kv_cache_", slot)
+        assert torch.equal(value_cache.flatten(0, 1)[slot], fused[token, 4:]), ("write_kv_cache_", slot)
+    assert int((key_cache != 0).sum()) == int((fused[[0, 2], 2:4] != 0).sum())  # nothing else written
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The CPU's linear kernels read and write only inside their tensors: their shape sweep (asan_sweep.py) runs under
-AddressSanitizer in a process of its own, which a stray access aborts."""
+"""The CPU's kernels (linear layers, decode attention, the cache write) read and write only inside their tensors: their
+sweep (asan_sweep.py) runs under AddressSanitizer in a process of its own, which a stray access aborts."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def asan_runtime() -> str:
     return runtime
 
 
-def test_linear_kernels_stay_inside_their_tensors() -> None:
+def test_the_kernels_stay_inside_their_tensors() -> None:
     env = {**os.environ, "LD_PRELOAD": asan_runtime(), "PYTHONPATH": str(REPO_ROOT),
            # torch and Python keep memory until exit on purpose; the sweep is about out-of-bounds accesses
            "ASAN_OPTIONS": "detect_leaks=0"}
