@@ -67,12 +67,10 @@ class Bf16Linear(nn.Module):
         self.fp32_bias = torch.empty(0) if bias is None else bias.detach().float().contiguous()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dim() == 2:  # the model's rows: no reshapes (each costs a dispatch, 121 layers a step)
-            return self.kernels.bf16_linear(hidden, self.packed_weight, self.fp32_bias, self.in_features,
-                                            self.out_features)
-        rows = hidden.reshape(-1, self.in_features)
+        flat = hidden.dim() == 2  # the model's rows: no reshapes (each costs a dispatch, 121 layers a step)
+        rows = hidden if flat else hidden.reshape(-1, self.in_features)
         out = self.kernels.bf16_linear(rows, self.packed_weight, self.fp32_bias, self.in_features, self.out_features)
-        return out.reshape(*hidden.shape[:-1], self.out_features)
+        return out if flat else out.reshape(*hidden.shape[:-1], self.out_features)
 
 
 class Fp16Linear(nn.Module):

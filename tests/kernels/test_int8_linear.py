@@ -44,6 +44,13 @@ def random_weight(out_features: int, in_features: int) -> tuple[torch.Tensor, to
     return qdata, torch.rand(out_features, -(-in_features // 32)) / 100
 
 
+def seeded_case(out_features: int, in_features: int, num_rows: int) -> tuple[torch.Tensor, ...]:
+    """A shape's weight, scales, bias and rows, seeded by the shape (int8 weights, fp32 rest)."""
+    torch.manual_seed(out_features * 1000 + in_features + num_rows)
+    qdata, scale = random_weight(out_features, in_features)
+    return qdata, scale, torch.randn(out_features), torch.randn(num_rows, in_features)
+
+
 def expected_linear(
     rows: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
 ) -> torch.Tensor:
@@ -64,10 +71,7 @@ SHAPES = [(1, 16), (5, 37), (67, 100), (256, 576)]
 def test_int8_linear_is_the_product_with_the_dequantized_weight(
     kernels: ModuleType, out_features: int, in_features: int, num_rows: int,
 ) -> None:
-    torch.manual_seed(out_features * 1000 + in_features + num_rows)
-    qdata, scale = random_weight(out_features, in_features)
-    bias = torch.randn(out_features)
-    rows = torch.randn(num_rows, in_features)
+    qdata, scale, bias, rows = seeded_case(out_features, in_features, num_rows)
     packed, packed_scale = kernels.int8_pack_weight(qdata, scale)
     for with_bias in (bias, None):
         got = kernels.int8_linear(rows, packed, packed_scale, torch.empty(0) if with_bias is None else with_bias,
@@ -157,10 +161,7 @@ VNNI_SHAPES = [(1, 16), (5, 37), (67, 100), (130, 576)]
 def test_vnni_linear_is_the_product_of_the_int16_rows_and_the_dequantized_weight(
     vnni_kernels: ModuleType, out_features: int, in_features: int, num_rows: int,
 ) -> None:
-    torch.manual_seed(out_features * 1000 + in_features + num_rows)
-    qdata, scale = random_weight(out_features, in_features)
-    bias = torch.randn(out_features)
-    rows = torch.randn(num_rows, in_features)
+    qdata, scale, bias, rows = seeded_case(out_features, in_features, num_rows)
     rows[0, : min(32, in_features)] = 0.0  # an all-zero group: scale 0, no division by it
     packed, packed_scale = vnni_kernels.int8_vnni_pack_weight(qdata, scale)
     for with_bias in (bias, None):
