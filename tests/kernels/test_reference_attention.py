@@ -26,11 +26,16 @@ def naive_prefill(query, key_cache, value_cache, tables, starts, lens, scale):  
 
 
 @pytest.mark.parametrize(
-    ("query_lens", "context_lens"),
-    [([5, 6, 5], [10, 12, 14]),  # similar sizes: one padded batch
-     ([1, 40, 2], [3, 40, 70])],  # skewed: a loop over sequences
+    ("query_lens", "context_lens", "causal_groups"),
+    [([5, 6, 5], [10, 12, 14], [False]),  # similar sizes: one padded batch
+     ([1, 40, 2], [3, 40, 70], [False, True, False]),  # skewed: a loop over sequences; the second is a whole prompt
+     ([7, 7, 7], [7, 7, 7], [True]),  # whole prompts: SDPA's causal path, no mask
+     ([5, 6, 5], [5, 6, 5], [True]),  # whole prompts of different lengths, padded to the longest
+     ([5, 6, 5], [5, 6, 9], [False]),  # one has context before its new tokens: the mask
+     ([1, 40, 3], [1, 40, 70], [True, True, False])],
 )
-def test_prefill_reference_matches_naive_attention(query_lens: list[int], context_lens: list[int]) -> None:
+def test_prefill_reference_matches_naive_attention(query_lens: list[int], context_lens: list[int],
+                                                   causal_groups: list[bool]) -> None:
     torch.manual_seed(0)
     block_size, num_blocks, heads, kv_heads, dim = 8, 32, 6, 2, 16
     key_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
@@ -40,10 +45,10 @@ def test_prefill_reference_matches_naive_attention(query_lens: list[int], contex
     for q in query_lens:
         starts.append(starts[-1] + q)
     query = torch.randn(starts[-1], heads, dim)
-    out = reference.paged_prefill_attention(
-        query, key_cache, value_cache, tables, torch.tensor(starts, dtype=torch.int32),
-        torch.tensor(context_lens, dtype=torch.int32), 0.25,
-    )
+    starts_tensor, lens = torch.tensor(starts, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32)
+    plan = reference.plan_prefill(query, key_cache, value_cache, tables, starts_tensor, lens)
+    assert [group.causal for group in plan.groups] == causal_groups
+    out = reference.paged_prefill_attention(query, key_cache, value_cache, tables, starts_tensor, lens, 0.25)
     expected = naive_prefill(query, key_cache, value_cache, tables, starts, context_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
