@@ -64,11 +64,10 @@ class AttentionGroup:
     block_ids: torch.Tensor  # [G * num_context_blocks] cache blocks to gather, clamped into the cache
     rows: torch.Tensor  # [G, Q] query rows; padding entries repeat row 0 and are dropped
     valid: torch.Tensor | None  # [G, Q] real query rows, None when every entry is real
-    mask: torch.Tensor  # [G, 1, Q, L] True = attend
-    # set when every sequence's new tokens are its whole context: then each query row's mask is causal over the
-    # first Q keys, and SDPA's own causal path skips the blocks above the diagonal (a 2,048-token prompt's attention
-    # took 0.54x its time with the mask, fp32 on a Zen 4)
-    causal: bool = False
+    # [G, 1, Q, L] True = attend; None where every sequence's new tokens are its whole context: each query row then
+    # attends the first Q keys causally, and SDPA's own causal path skips the blocks above the diagonal (a
+    # 2,048-token prompt's attention took 0.54x its time with the mask, fp32 on a Zen 4)
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +188,14 @@ def _sequence_group(
     device = table.device
     block_size = cache_shape[1]
     num_context_blocks = (context_len + block_size - 1) // block_size
+    rows = torch.arange(start, end, device=device)[None]
+    block_ids = _context_block_ids(cache_shape, table, num_context_blocks)
+    if context_len == end - start:  # a whole prompt
+        return AttentionGroup(block_ids, rows, None, None)
     key_positions = torch.arange(num_context_blocks * block_size, device=device)
     query_positions = torch.arange(context_len - (end - start), context_len, device=device)
     mask = key_positions[None, :] <= query_positions[:, None]
-    rows = torch.arange(start, end, device=device)[None]
-    return AttentionGroup(_context_block_ids(cache_shape, table, num_context_blocks), rows, None, mask[None, None],
-                          causal=context_len == end - start)
+    return AttentionGroup(block_ids, rows, None, mask[None, None])
 
 
 def _padded_group(
@@ -209,15 +210,16 @@ def _padded_group(
     offsets = torch.arange(max(b - a for a, b in zip(starts, starts[1:])), device=device)
     valid = offsets[None, :] < num_queries[:, None]  # [S, Qmax]: real query rows
     rows = torch.where(valid, first[:, None] + offsets[None, :], 0)
+    block_ids = _context_block_ids(cache_shape, block_tables, num_context_blocks)
+    if all(end - start == length for start, end, length in zip(starts, starts[1:], lens)):
+        # whole prompts: each query row attends the keys up to its own, all of them its sequence's (padding rows
+        # too, whose outputs are dropped)
+        return AttentionGroup(block_ids, rows, valid, None)
     positions = torch.tensor(lens, device=device)[:, None] - num_queries[:, None] + offsets[None, :]
     key_positions = torch.arange(num_context_blocks * block_size, device=device)
     mask = (key_positions[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
     mask[:, :, 0] |= ~valid  # padding rows attend somewhere (their output is dropped), never NaN
-    block_ids = _context_block_ids(cache_shape, block_tables, num_context_blocks)
-    # whole prompts: each query row attends the keys up to its own, all of them its sequence's (padding rows too,
-    # whose outputs are dropped)
-    causal = all(end - start == length for start, end, length in zip(starts, starts[1:], lens))
-    return AttentionGroup(block_ids, rows, valid, mask[:, None], causal=causal)
+    return AttentionGroup(block_ids, rows, valid, mask[:, None])
 
 
 def _attend_planned(
@@ -233,11 +235,10 @@ def _attend_planned(
         num_seqs = group.rows.shape[0]
         key = _gather(key_cache, group.block_ids, num_seqs)
         value = _gather(value_cache, group.block_ids, num_seqs)
-        if group.causal:
+        if group.mask is None:  # causal over the first Q keys
             width = group.rows.shape[1]
-            out = _attend(query[group.rows], key[:, :width], value[:, :width], None, scale)
-        else:
-            out = _attend(query[group.rows], key, value, group.mask, scale)
+            key, value = key[:, :width], value[:, :width]
+        out = _attend(query[group.rows], key, value, group.mask, scale)
         outputs.append(out.flatten(0, 1) if group.valid is None else out[group.valid])
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     if plan.row_order is None:

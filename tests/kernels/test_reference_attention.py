@@ -47,7 +47,7 @@ def test_prefill_reference_matches_naive_attention(query_lens: list[int], contex
     query = torch.randn(starts[-1], heads, dim)
     starts_tensor, lens = torch.tensor(starts, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32)
     plan = reference.plan_prefill(query, key_cache, value_cache, tables, starts_tensor, lens)
-    assert [group.causal for group in plan.groups] == causal_groups
+    assert [group.mask is None for group in plan.groups] == causal_groups
     out = reference.paged_prefill_attention(query, key_cache, value_cache, tables, starts_tensor, lens, 0.25)
     expected = naive_prefill(query, key_cache, value_cache, tables, starts, context_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
