@@ -32,7 +32,7 @@ def naive_prefill(query, key_cache, value_cache, tables, starts, lens, scale):  
      ([7, 7, 7], [7, 7, 7], [True]),  # whole prompts: SDPA's causal path, no mask
      ([5, 6, 5], [5, 6, 5], [True]),  # whole prompts of different lengths, padded to the longest
      ([5, 6, 5], [5, 6, 9], [False]),  # one has context before its new tokens: the mask
-     ([1, 40, 3], [1, 40, 70], [True, True, False])],
+     ([1, 40, 3], [1, 40, 70], [True, True, False])],  # a loop: two whole prompts, one after its context
 )
 def test_prefill_reference_matches_naive_attention(query_lens: list[int], context_lens: list[int],
                                                    causal_groups: list[bool]) -> None:
