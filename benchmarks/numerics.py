@@ -26,7 +26,7 @@ from benchmarks.common import cpu_description
 from engine import LLM, SamplingParams
 from engine.model_files import resolve_model
 from engine.models import quantization
-from engine.models.cpu_packing import Fp16Linear, pack_linear_layers, packed_layer_type, replace_linear_layers
+from engine.models.cpu_packing import pack_linear_layers, packed_layer_type, replace_linear_layers
 from engine.models.quantization import Int8WeightOnlyLinear, quantize_linear_layers
 from paged_kernels.cpu_features import has_fbgemm_fp16
 
@@ -34,7 +34,7 @@ from paged_kernels.cpu_features import has_fbgemm_fp16
 VARIANTS: dict[str, dict[str, object]] = {
     "fp32-plain": {"cpu_weight_packing": "exact"},
     "fp32-packed": {"cpu_weight_packing": "onednn"},
-    "fp16-weights": {"cpu_weight_packing": "fp16"},  # where fbgemm runs (AVX2, F16C, FMA)
+    "fp16-weights": {"cpu_weight_packing": "fp16"},  # our kernel's or fbgemm's (AVX2, F16C, FMA)
     "int8": {"quantization": "int8", "cpu_weight_packing": "onednn"},
     "bf16": {"dtype": "bfloat16"},  # auto's pick where bf16 is fast (AMX, AMD's AVX512-BF16): our kernel's layers
     # (oneDNN's with AMX), fused layer ops
@@ -77,7 +77,7 @@ def hf_variant(folder: Path, variant: str) -> nn.Module:
     elif variant == "fp32-packed":
         pack_linear_layers(model)  # type: ignore[arg-type]
     elif variant == "fp16-weights":
-        pack_linear_layers(model, Fp16Linear)  # type: ignore[arg-type]
+        pack_linear_layers(model, packed_layer_type(torch.float32, torch.device("cpu"), "fp16"))  # type: ignore[arg-type]
     return model
 
 

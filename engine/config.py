@@ -90,9 +90,10 @@ class EngineConfig:
     # other busy processes share the machine (OpenMP waits on descheduled threads).
     num_threads: int | None = None
     # prepacked linear weights on the CPU: "auto" the fastest for the CPU (bf16 in our AVX512-BF16 kernel's layout
-    # where it applies, else oneDNN's; fp32 as fp16 weights where fbgemm runs, else oneDNN's; both round differently
-    # from transformers'), "onednn" oneDNN's layout for both, "fp16" fp16 weights for fp32, "exact" packs bf16 for
-    # oneDNN only (bit-identical to F.linear; fp32 tokens equal transformers'), "off"
+    # where it applies, else oneDNN's; fp32 as fp16 weights in our AVX2/F16C kernel's layout, else fbgemm's where it
+    # runs, else oneDNN's fp32; both round differently from transformers'), "onednn" oneDNN's layout for both, "fp16"
+    # fp16 weights for fp32 (ours, else fbgemm's), "exact" packs bf16 for oneDNN only (bit-identical to F.linear;
+    # fp32 tokens equal transformers'), "off"
     cpu_weight_packing: str = "auto"
     # "int8": int8 weights and per-token int8 activations in every linear layer (CPU only); "int8_weight_only": int8
     # weights, activations in the model's dtype, read by a compiled kernel at up to 4 rows with AVX512-VNNI, 1 with

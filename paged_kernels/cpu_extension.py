@@ -1,9 +1,9 @@
 """The CPU's compiled kernels (``paged_kernels/csrc/``), built once per machine by torch's C++ extension tooling.
 
 No maintained library ships a paged decode attention, fused norms, rotary embedding and SiLU, or a few-row
-int8-weight or bf16 linear that reads at memory speed, for torch's CPU build (vLLM's and IPEX's are tied to their own
-builds and torch versions; torch's own ``rms_norm`` is composed of the same five ops on the CPU), so these are
-ours: a few hundred lines of C++ that torch compiles with the machine's compiler into its extension cache
+int8-, bf16- or fp16-weight linear that reads at memory speed, for torch's CPU build (vLLM's and IPEX's are tied to
+their own builds and torch versions; torch's own ``rms_norm`` is composed of the same five ops on the CPU), so these
+are ours: a few hundred lines of C++ that torch compiles with the machine's compiler into its extension cache
 (``TORCH_EXTENSIONS_DIR``) on first use, and that later processes load from there. ``None`` where it cannot be
 built; callers then stay on plain torch.
 """
@@ -24,10 +24,12 @@ logger = logging.getLogger(__name__)
 # int8_linear_cpu.cpp's packing and argument checks int8_vnni_linear_cpu.cpp
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "kv_cache_cpu.cpp", "layer_ops_cpu.cpp",
-                        "int8_linear_cpu.cpp", "int8_vnni_linear_cpu.cpp", "bf16_linear_cpu.cpp")]
+                        "int8_linear_cpu.cpp", "int8_vnni_linear_cpu.cpp", "bf16_linear_cpu.cpp",
+                        "fp16_linear_cpu.cpp")]
 FUNCTIONS = ["paged_decode", "write_kv_cache_", "rotary_", "add_rms_norm_", "silu_and_mul", "int8_pack_weight",
              "int8_linear", "has_int8_vnni_linear", "int8_vnni_pack_weight", "int8_vnni_linear",
-             "has_bf16_linear", "bf16_pack_weight", "bf16_linear"]
+             "has_bf16_linear", "bf16_pack_weight", "bf16_linear", "has_fp16_linear", "fp16_pack_weight",
+             "fp16_linear"]
 
 
 def extension_name() -> str:

@@ -50,7 +50,7 @@ CMAKE_OPTIONS = [
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
 ]
 HEALTH_TIMEOUT_S = 120.0
-GGUF_TYPES = ("f32", "bf16", "q8_0")  # convert_hf_to_gguf.py's --outtype values the benchmarks use
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py's --outtype values the benchmarks use
 WARMUP_PROMPT = list(range(1000, 1040))
 
 
@@ -159,7 +159,7 @@ def ensure_server(cache_dir: Path | None = None) -> Path:
 
 
 def ensure_gguf(model_folder: Path, cache_dir: Path | None = None, outtype: str = "bf16") -> Path:
-    """A GGUF (``outtype``: f32, bf16 or q8_0) of the Hugging Face ``model_folder``, converted once by llama.cpp's
+    """A GGUF (``outtype``: f32, f16, bf16 or q8_0) of the Hugging Face ``model_folder``, converted once by llama.cpp's
     ``convert_hf_to_gguf.py``."""
     if outtype not in GGUF_TYPES:
         raise ValueError(f"outtype must be one of {', '.join(GGUF_TYPES)}, got {outtype!r}")

@@ -1,4 +1,4 @@
-"""Prepacked weights for linear layers on the CPU: our bf16 kernel's layout, oneDNN's, or fp16 weights for fbgemm.
+"""Prepacked weights for linear layers on the CPU: our bf16 and fp16 kernels' layouts, oneDNN's, or fbgemm's fp16.
 
 ``F.linear`` on bf16 CPU tensors runs oneDNN, which lays the weight out in its blocked format on
 every call. Reordering each weight once at load time and calling oneDNN's linear on the packed
@@ -15,13 +15,16 @@ layers and the head, past the L3), on a 2-vCPU Zen 4. With AMX, oneDNN multiplie
 kernel does not (not measured there: oneDNN stays). Sums are fp32 in another order than oneDNN's, so bf16 results
 can differ from ``F.linear``'s by rounding.
 
-Decode steps of an fp32 model are bound by reading the weights too: fbgemm's fp16 GEMM
-(``quantized::linear_dynamic_fp16``, torch's own op; torchao has no CPU path that keeps fp16 weights
-and fp32 arithmetic) reads half the bytes, while rounding each weight to 11 significant bits (bf16 keeps
-8). It ran the decoder layers 1.3-2.1x faster than packed fp32 at 8-128 rows on an AVX2 EPYC, and SmolLM2's
-decode step 2.3x faster at 1 row, 1.5x at 8, 1.07x at 32 and 0.98x at 128 on an AVX-512 Zen 4. The LM
-head (49,152 outputs) is packed both ways: fbgemm's fp16 ran it 2.4x faster than oneDNN's fp32 at
-1-4 rows, 1.55x at 8 and 1.18x at 16, but 0.8x at 24-32 and 0.5x at 128 (AVX2 EPYC).
+Decode steps of an fp32 model are bound by reading the weights too, and fp16 weights halve the bytes, while rounding
+each weight to 11 significant bits (bf16 keeps 8). Where the CPU has AVX2, F16C and FMA, an fp32 model's layers run
+our compiled kernel (``paged_kernels/csrc/fp16_linear_cpu.cpp``, ``Fp16Linear``), in one layout for every row count,
+the head included: SmolLM2's linear layers took 0.85x the time of fbgemm's fp16 GEMM at 1-2 rows, 0.90-0.96x at 3-4,
+0.85-0.89x at 8-32 and 0.92-0.95x at 128-512 (``benchmarks.linear_layers``, a 2-vCPU Zen 3 with AVX2 alone; its
+decode step 0.86x at 1 row, 0.87-0.92x at 4-64). Without the kernel, fbgemm's fp16 GEMM
+(``quantized::linear_dynamic_fp16``, torch's own op; torchao has no CPU path that keeps fp16 weights and fp32
+arithmetic) serves instead: it ran the decoder layers 1.3-2.1x faster than packed fp32 at 8-128 rows on an AVX2 EPYC.
+Its LM head (49,152 outputs) is packed both ways: fbgemm's fp16 ran it 2.4x faster than oneDNN's fp32 at 1-4 rows,
+1.55x at 8 and 1.18x at 16, but 0.8x at 24-32 and 0.5x at 128 (AVX2 EPYC).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from engine.models.llama import LlamaForCausalLM
 from paged_kernels.cpu_extension import cpu_kernels
 from paged_kernels.cpu_features import cpu_flags, has_amx_for, has_fbgemm_fp16
 
+FP16_MAX = torch.finfo(torch.float16).max
 FP16_HEAD_MAX_ROWS = 16  # the most rows for which fbgemm's fp16 LM head beat oneDNN's fp32 (see above)
 
 
@@ -51,29 +55,55 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, self.bias, "none", [], "")
 
 
-class Bf16Linear(nn.Module):
-    """``y = x W^T + b`` for bf16 ``x`` with ``W`` in the layout of our AVX512-BF16 kernel (``bf16_linear``),
-    summed in fp32 and rounded to bf16 once."""
+class CompiledLinear(nn.Module):
+    """``y = x W^T + b`` by one of our compiled kernels (``kernel``: its functions are ``{kernel}_pack_weight``,
+    ``{kernel}_linear`` and ``has_{kernel}_linear``), over ``W`` packed once in its layout as ``weight_dtype``,
+    summed in fp32."""
+
+    kernel: str
+    weight_dtype: torch.dtype
+    needs: str  # what the kernel's build needs of the CPU, for the error where it is absent
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         kernels = cpu_kernels()
-        if kernels is None or not kernels.has_bf16_linear():
-            raise RuntimeError("Bf16Linear needs the CPU's compiled kernels built with AVX512-BF16, which this machine "
-                               "lacks: use cpu_weight_packing='onednn'")
-        self.kernels = kernels
+        if kernels is None or not getattr(kernels, f"has_{self.kernel}_linear")():
+            raise RuntimeError(f"{type(self).__name__} needs the CPU's compiled kernels built with {self.needs}, which "
+                               "this machine lacks: use cpu_weight_packing='onednn'")
+        self.linear = getattr(kernels, f"{self.kernel}_linear")
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = kernels.bf16_pack_weight(weight.detach().to(torch.bfloat16))
+        self.packed_weight = getattr(kernels, f"{self.kernel}_pack_weight")(self.weight_in_dtype(weight.detach()))
         self.fp32_bias = torch.empty(0) if bias is None else bias.detach().float().contiguous()
+
+    def weight_in_dtype(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as ``weight_dtype``, the type the packing takes."""
+        return weight.to(self.weight_dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.dim() == 2  # the model's rows: no reshapes (each costs a dispatch, 121 layers a step)
         rows = hidden if flat else hidden.reshape(-1, self.in_features)
-        out = self.kernels.bf16_linear(rows, self.packed_weight, self.fp32_bias, self.in_features, self.out_features)
+        out = self.linear(rows, self.packed_weight, self.fp32_bias, self.in_features, self.out_features)
         return out if flat else out.reshape(*hidden.shape[:-1], self.out_features)
 
 
-class Fp16Linear(nn.Module):
+class Bf16Linear(CompiledLinear):
+    """A bf16 model's layer by our AVX512-BF16 kernel (``bf16_linear``), rounded to bf16 once."""
+
+    kernel, weight_dtype, needs = "bf16", torch.bfloat16, "AVX512-BF16"
+
+
+class Fp16Linear(CompiledLinear):
+    """An fp32 model's layer by our AVX2/F16C kernel (``fp16_linear``): ``W`` stored in fp16 and widened to fp32 in
+    registers, fp32 results."""
+
+    kernel, weight_dtype, needs = "fp16", torch.float16, "AVX2, F16C and FMA"
+
+    def weight_in_dtype(self, weight: torch.Tensor) -> torch.Tensor:
+        # fp16's largest finite value bounds the weights, as fbgemm's fp16 packing saturates them
+        return weight.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+
+
+class FbgemmFp16Linear(nn.Module):
     """``y = x W^T + b`` for fp32 ``x`` with ``W`` stored in fp16 for fbgemm, multiplied and summed in fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -98,7 +128,7 @@ class RowSplitHead(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.few_rows = Fp16Linear(weight, bias)
+        self.few_rows = FbgemmFp16Linear(weight, bias)
         self.many_rows = PackedLinear(weight, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,15 +144,25 @@ def bf16_kernel_applies() -> bool:
     return kernels is not None and kernels.has_bf16_linear()
 
 
+def fp16_kernel_applies() -> bool:
+    """Whether ``"auto"`` and ``"fp16"`` give an fp32 model our fp16 kernel's layers: a build that has it (AVX2, F16C
+    and FMA)."""
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.has_fp16_linear()
+
+
 def packed_layer_type(dtype: torch.dtype, device: torch.device, mode: str = "auto") -> type[nn.Module] | None:
     """The layer ``mode`` (``EngineConfig.cpu_weight_packing``) puts in place of a ``dtype`` model's linear
     layers on ``device``, None to leave them: bf16 under ``"auto"`` in our kernel's layout where it applies, else
-    packed for oneDNN where oneDNN supports it; fp32 packed unless ``"exact"``: as fp16 weights under ``"fp16"`` and,
-    where fbgemm runs them, ``"auto"``, else oneDNN's."""
+    packed for oneDNN where oneDNN supports it; fp32 packed unless ``"exact"``: as fp16 weights under ``"fp16"`` and
+    ``"auto"``, in our kernel's layout where it applies, else for fbgemm where it runs them (``"auto"`` falls back to
+    oneDNN's fp32 where neither does)."""
     if mode == "off" or device.type != "cpu":
         return None
     if dtype == torch.bfloat16 and mode == "auto" and bf16_kernel_applies():
         return Bf16Linear
+    if dtype == torch.float32 and mode in ("auto", "fp16") and fp16_kernel_applies():
+        return Fp16Linear
     if not torch.backends.mkldnn.is_available():
         return None
     if dtype == torch.bfloat16:
@@ -130,7 +170,7 @@ def packed_layer_type(dtype: torch.dtype, device: torch.device, mode: str = "aut
     if dtype != torch.float32 or mode == "exact":
         return None
     if mode == "fp16" or (mode == "auto" and has_fbgemm_fp16()):
-        return Fp16Linear  # "fp16" where fbgemm cannot run it was refused by EngineConfig
+        return FbgemmFp16Linear  # "fp16" where fbgemm cannot run it was refused by EngineConfig
     return PackedLinear
 
 
@@ -147,10 +187,10 @@ def replace_linear_layers(model: nn.Module, make: Callable[[torch.Tensor, torch.
 
 def pack_linear_layers(model: LlamaForCausalLM, layer_type: type[nn.Module] = PackedLinear) -> int:
     """Replace every ``nn.Linear`` of ``model`` by a ``layer_type``, and its LM head (or, tied, a copy of the
-    embedding) by a ``layer_type`` too (a ``RowSplitHead`` with fp16 layers); returns how many were replaced.
+    embedding) by a ``layer_type`` too (a ``RowSplitHead`` with fbgemm's fp16 layers); returns how many were replaced.
     The original weights are released, except the embedding. A head already replaced (quantized) stays, and the
     ``nn.Linear`` layers it holds (``int8_weight_only``'s layer for many rows) are packed as a head is."""
-    head_type = RowSplitHead if layer_type is Fp16Linear else layer_type
+    head_type = RowSplitHead if layer_type is FbgemmFp16Linear else layer_type
     head = model.lm_head
     if head is not None and not isinstance(head, nn.Linear):
         return replace_linear_layers(head, head_type) + replace_linear_layers(model, layer_type)

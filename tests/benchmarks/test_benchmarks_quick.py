@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cpu_decode, latency, sharing, structured, throughput
+from benchmarks import cpu_decode, latency, linear_layers, sharing, structured, throughput
+from engine.models import cpu_packing
 
 
 def _argv(model_dir: Path, out: Path) -> list[str]:
@@ -96,3 +97,23 @@ def test_structured_times_every_constraint_against_the_unconstrained_step(tiny_m
     assert all(r["rows"] == r["running_at_end"] == 3 and r["fastest_ms"] > 0 for r in results)
     for row in results[1:]:
         assert row["vs_none"] == pytest.approx(row["fastest_ms"] / none["fastest_ms"])
+
+
+def test_linear_layers_times_every_layout_against_the_baseline(tiny_model_dir: Path, tmp_path: Path) -> None:
+    linear_layers.main(["--model", str(tiny_model_dir), "--rows", "1", "3", "--repeats", "2", "--out", str(tmp_path)])
+    payload = _written(tmp_path, "linear-layers")
+    baseline, layouts = payload["baseline"], payload["layouts"]
+    assert baseline in layouts and "onednn" in layouts
+    assert ("fp16" in layouts) == cpu_packing.fp16_kernel_applies()
+    assert [result["rows"] for result in payload["results"]] == [1, 3]
+    for result in payload["results"]:
+        for layout in layouts:
+            assert result[f"{layout}_ms"] > 0
+            if layout != baseline:
+                assert result[f"{layout}_over_{baseline}"] == pytest.approx(result[f"{layout}_ms"]
+                                                                          / result[f"{baseline}_ms"])
+
+
+def test_linear_layers_refuses_a_baseline_the_machine_lacks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--baseline must be one of"):
+        linear_layers.main(["--model", str(tiny_model_dir), "--baseline", "nope", "--out", str(tmp_path)])

@@ -121,7 +121,7 @@ def test_each_systems_fastest_round_is_compared() -> None:
 
 
 def test_unknown_gguf_type_is_refused_naming_the_argument(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="outtype must be one of f32, bf16, q8_0, got 'q4_0'"):
+    with pytest.raises(ValueError, match="outtype must be one of f32, f16, bf16, q8_0, got 'q4_0'"):
         llama_cpp.ensure_gguf(tmp_path, cache_dir=tmp_path, outtype="q4_0")
 
 

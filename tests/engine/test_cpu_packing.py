@@ -1,6 +1,6 @@
 """Prepacked linear layers: oneDNN's bf16 computes exactly what ``F.linear`` does, our bf16 kernel's layers within
-bf16's rounding of it, oneDNN's fp32 within rounding of it, fp16 weights (fbgemm) within the rounding of the weights,
-the ``auto`` mode picks per CPU, and the ``exact`` mode keeps fp32 on ``F.linear``."""
+bf16's rounding of it, oneDNN's fp32 within rounding of it, fp16 weights (our kernel's, fbgemm's) within the rounding
+of the weights, the ``auto`` mode picks per CPU, and the ``exact`` mode keeps fp32 on ``F.linear``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ BF16_PACKS = cpu_packing.packed_layer_type(torch.bfloat16, CPU, "onednn") is not
 BF16_KERNEL = cpu_packing.bf16_kernel_applies()
 AUTO_BF16_LAYER = cpu_packing.Bf16Linear if BF16_KERNEL else cpu_packing.PackedLinear
 FBGEMM_FP16 = cpu_features.has_fbgemm_fp16()
+FP16_KERNEL = cpu_packing.fp16_kernel_applies()
 Test = TypeVar("Test", bound=Callable[..., None])
 
 
@@ -32,6 +33,11 @@ def needs_bf16_kernel(test: Test) -> Test:
     """Mark ``test`` as needing our AVX512-BF16 kernel's layers (a hardware marker) and skip it without them."""
     reason = "our bf16 linear kernel needs a CPU with AVX512-BF16 and no AMX"
     return pytest.mark.avx512_bf16(pytest.mark.skipif(not BF16_KERNEL, reason=reason)(test))
+
+
+def needs_fp16_kernel(test: Test) -> Test:
+    """Skip ``test`` where our fp16 linear kernel did not build (no AVX2, F16C or FMA)."""
+    return pytest.mark.skipif(not FP16_KERNEL, reason="our fp16 linear kernel needs AVX2, F16C and FMA")(test)
 
 
 def needs_fbgemm_fp16(test: Test) -> Test:
@@ -154,17 +160,20 @@ def test_bf16_engine_generates_the_same_tokens_with_and_without_packing(tiny_mod
     assert generate("exact") == generate("off")
 
 
-@pytest.mark.parametrize(("mode", "has_fbgemm", "expected"), [
-    ("auto", True, cpu_packing.Fp16Linear),  # fp16 weights measured faster wherever fbgemm runs
-    ("auto", False, cpu_packing.PackedLinear),
-    ("onednn", True, cpu_packing.PackedLinear),
-    ("fp16", False, cpu_packing.Fp16Linear),
-    ("exact", True, None),
-    ("off", True, None),
+@pytest.mark.parametrize(("mode", "has_kernel", "has_fbgemm", "expected"), [
+    ("auto", True, True, cpu_packing.Fp16Linear),  # our kernel wherever it builds (AVX2, F16C, FMA)
+    ("auto", False, True, cpu_packing.FbgemmFp16Linear),  # else fp16 weights wherever fbgemm runs them
+    ("auto", False, False, cpu_packing.PackedLinear),
+    ("onednn", True, True, cpu_packing.PackedLinear),
+    ("fp16", True, True, cpu_packing.Fp16Linear),
+    ("fp16", False, False, cpu_packing.FbgemmFp16Linear),
+    ("exact", True, True, None),
+    ("off", True, True, None),
 ])
 def test_fp32_packing_follows_the_mode_and_the_cpu(
-    monkeypatch: pytest.MonkeyPatch, mode: str, has_fbgemm: bool, expected: type | None,
+    monkeypatch: pytest.MonkeyPatch, mode: str, has_kernel: bool, has_fbgemm: bool, expected: type | None,
 ) -> None:
+    monkeypatch.setattr(cpu_packing, "fp16_kernel_applies", lambda: has_kernel)
     monkeypatch.setattr(cpu_packing, "has_fbgemm_fp16", lambda: has_fbgemm)
     assert cpu_packing.packed_layer_type(torch.float32, CPU, mode) is expected
     assert cpu_packing.packed_layer_type(torch.float32, torch.device("cuda"), mode) is None
@@ -188,23 +197,49 @@ def test_packed_fp32_linear_stays_within_rounding_of_f_linear() -> None:
     torch.testing.assert_close(packed(hidden), F.linear(hidden, linear.weight), atol=1e-5, rtol=1e-5)
 
 
-@needs_fbgemm_fp16
+@pytest.mark.parametrize("layer_type", [
+    pytest.param(cpu_packing.Fp16Linear, marks=pytest.mark.skipif(not FP16_KERNEL, reason="needs AVX2, F16C, FMA")),
+    pytest.param(cpu_packing.FbgemmFp16Linear, marks=[pytest.mark.fbgemm_fp16, pytest.mark.skipif(
+        not FBGEMM_FP16, reason="fbgemm's fp16 GEMM needs an x86 CPU with AVX2, F16C and FMA")]),
+])
 @pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
-def test_fp16_weight_linear_computes_with_the_weights_rounded_to_fp16(shape: tuple[int, ...]) -> None:
+def test_fp16_weight_linear_computes_with_the_weights_rounded_to_fp16(
+    layer_type: type[nn.Module], shape: tuple[int, ...],
+) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=True)
     hidden = torch.randn(shape)
-    out = cpu_packing.Fp16Linear(linear.weight, linear.bias)(hidden)
+    out = layer_type(linear.weight, linear.bias)(hidden)
     rounded = F.linear(hidden, linear.weight.half().float(), linear.bias)  # the bias stays fp32
     assert out.dtype == torch.float32 and out.shape == (*shape[:-1], 160)
     torch.testing.assert_close(out, rounded, atol=1e-5, rtol=1e-4)
     assert (out - F.linear(hidden, linear.weight, linear.bias)).abs().max() > 0  # it does round
 
 
-@needs_fbgemm_fp16
-def test_fp16_loading_packs_the_decoder_in_fp16_and_the_lm_head_both_ways(tiny_model_dir: Path) -> None:
+@needs_fp16_kernel
+def test_our_fp16_layer_saturates_weights_past_fp16s_range_as_fbgemm_does() -> None:
+    weight = torch.tensor([[1e5, -1e5, 2.0]])
+    out = cpu_packing.Fp16Linear(weight, None)(torch.ones(1, 3))
+    torch.testing.assert_close(out, torch.tensor([[2.0]]))  # +65504 - 65504 + 2, not inf - inf
+    assert torch.isfinite(cpu_packing.Fp16Linear(weight, None)(torch.tensor([[1.0, 0.0, 0.0]]))).all()
+
+
+@needs_fp16_kernel
+def test_fp16_loading_puts_our_kernels_layers_everywhere_the_head_included(tiny_model_dir: Path) -> None:
     model = loader.load_model(tiny_model_dir, torch.float32, CPU, ops=reference, weight_packing="fp16")
-    decoder = [module for module in model.layers.modules() if isinstance(module, cpu_packing.Fp16Linear)]
+    layers = [module for module in model.modules() if isinstance(module, cpu_packing.Fp16Linear)]
+    assert len(layers) == 4 * len(model.layers) + 1  # fused qkv, o, fused gate_up, down; the head
+    assert isinstance(model.lm_head, cpu_packing.Fp16Linear)
+    assert not any(isinstance(module, nn.Linear) for module in model.modules())
+
+
+@needs_fbgemm_fp16
+def test_fbgemm_fp16_loading_packs_the_decoder_in_fp16_and_the_lm_head_both_ways(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_packing, "fp16_kernel_applies", lambda: False)  # a machine whose kernels did not build
+    model = loader.load_model(tiny_model_dir, torch.float32, CPU, ops=reference, weight_packing="fp16")
+    decoder = [module for module in model.layers.modules() if isinstance(module, cpu_packing.FbgemmFp16Linear)]
     assert len(decoder) == 4 * len(model.layers)  # fused qkv, o, fused gate_up, down
     assert isinstance(model.lm_head, cpu_packing.RowSplitHead)
     assert not any(isinstance(module, nn.Linear) for module in model.modules())

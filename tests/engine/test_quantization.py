@@ -14,7 +14,7 @@ from benchmarks import numerics
 from core.settings import Settings
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.models import quantization
+from engine.models import cpu_packing, quantization
 from engine.models.cpu_packing import RowSplitHead
 from paged_kernels.cpu_features import has_fbgemm_fp16
 from tests.conftest import build_tiny_llama
@@ -108,8 +108,9 @@ def test_weight_only_engine_quantizes_every_linear_layer_and_the_head(
     assert model.tie_word_embeddings == tied and isinstance(model.lm_head, quantization.Int8WeightOnlyLinear)
     assert len(outer) == 4 * len(model.layers) + 1
     assert all(isinstance(m, quantization.Int8WeightOnlyLinear) for m in outer)
-    if has_fbgemm_fp16():  # the head's many-rows layer keeps the head's split by rows, as without quantization
-        assert isinstance(model.lm_head.many_rows, RowSplitHead)
+    if has_fbgemm_fp16():  # the head's many-rows layer is packed as the head is without quantization
+        head_type = cpu_packing.Fp16Linear if cpu_packing.fp16_kernel_applies() else RowSplitHead
+        assert isinstance(model.lm_head.many_rows, head_type)
     # the same logits from the kernel (one row: within every CPU's limit) and from the dequantized layer; a tied head's
     # are the quantized embedding's
     hidden = torch.randn(1, model.embed_tokens.weight.shape[1])

@@ -37,6 +37,7 @@ def main() -> None:
         if kernels.has_int8_vnni_linear():
             packs.append(("int8_vnni_linear", kernels.int8_vnni_pack_weight(qdata, scale)))
         bf16_packed = kernels.bf16_pack_weight(weight) if kernels.has_bf16_linear() else None
+        fp16_packed = kernels.fp16_pack_weight(weight.half()) if kernels.has_fp16_linear() else None
         for rows in ROWS:
             hidden = torch.randn(rows, in_features)
             for with_bias in (bias, torch.empty(0)):
@@ -51,6 +52,11 @@ def main() -> None:
                     got = kernels.bf16_linear(rows_bf16, bf16_packed, with_bias, in_features, out_features)
                     expected = rows_bf16.double() @ weight.double().T + added
                     assert close(got, expected, 2**-7, 1e-3), ("bf16_linear", out_features, in_features, rows)
+                    checked += 1
+                if fp16_packed is not None:
+                    got = kernels.fp16_linear(hidden, fp16_packed, with_bias, in_features, out_features)
+                    expected = hidden.double() @ weight.half().double().T + added
+                    assert close(got, expected, 1e-5, 1e-4), ("fp16_linear", out_features, in_features, rows)
                     checked += 1
     checked += check_decode(kernels) + check_cache_write(kernels)
     print(f"checked {checked} calls")
