@@ -17,36 +17,37 @@
 // One translation unit with the other kernels (cpu_extension.py): this file's names live in their own namespace.
 namespace fp16_kernel {
 
+// the vector width's intrinsics: SIMD(fmadd_ps) is _mm512_fmadd_ps or _mm256_fmadd_ps
 #if defined(PAGEDSERVE_FP16_LINEAR) && defined(__AVX512F__)
+#define SIMD(name) _mm512_##name
 using Vec = __m512;
+using HalfBits = __m256i;  // the fp16 bits of one vector
 constexpr int64_t kLanes = 16;
 constexpr int64_t kManyRows = 12;  // rows per pass over one block: 24 accumulators, 2 weight vectors, a broadcast
 constexpr int64_t kFewRows = 6;    // up to these rows a pass takes two blocks: 24 accumulators, 4 weight vectors
-inline Vec widen(const uint16_t* from) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
-}
-inline Vec broadcast(float value) { return _mm512_set1_ps(value); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Vec load(const float* from) { return _mm512_loadu_ps(from); }
-inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline void store(float* to, Vec v) { _mm512_storeu_ps(to, v); }
 #elif defined(PAGEDSERVE_FP16_LINEAR)
+#define SIMD(name) _mm256_##name
 using Vec = __m256;
+using HalfBits = __m128i;
+constexpr int64_t kLanes = 8;
 constexpr int64_t kManyRows = 6;  // 12 accumulators, 2 weight vectors, a broadcast: 15 of the 16 registers
 constexpr int64_t kFewRows = 2;   // 8 accumulators, 4 weight vectors, a broadcast
-constexpr int64_t kLanes = 8;
-inline Vec widen(const uint16_t* from) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)));
-}
-inline Vec broadcast(float value) { return _mm256_set1_ps(value); }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline Vec load(const float* from) { return _mm256_loadu_ps(from); }
-inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline void store(float* to, Vec v) { _mm256_storeu_ps(to, v); }
 #else
 constexpr int64_t kLanes = 8;  // the layout's width where the kernel is absent (fp16_pack_weight still packs)
+#endif
+
+#if defined(PAGEDSERVE_FP16_LINEAR)
+inline Vec widen(const uint16_t* from) {
+  HalfBits bits;
+  std::memcpy(&bits, from, sizeof bits);  // an unaligned load (the compiler folds it into vcvtph2ps)
+  return SIMD(cvtph_ps)(bits);
+}
+inline Vec broadcast(float value) { return SIMD(set1_ps)(value); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return SIMD(fmadd_ps)(a, b, c); }
+inline Vec zero() { return SIMD(setzero_ps)(); }
+inline Vec load(const float* from) { return SIMD(loadu_ps)(from); }
+inline Vec add(Vec a, Vec b) { return SIMD(add_ps)(a, b); }
+inline void store(float* to, Vec v) { SIMD(storeu_ps)(to, v); }
 #endif
 
 // [ceil(out / kBlockOutputs), in, kBlockOutputs]: blocks of output channels, each block's weights feature by feature
@@ -190,6 +191,7 @@ torch::Tensor fp16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
 }
 
 }  // namespace fp16_kernel
+#undef SIMD
 
 using fp16_kernel::fp16_linear;
 using fp16_kernel::fp16_pack_weight;
