@@ -46,6 +46,10 @@ def test_guidellm_runs_without_errors(
     token = auth_headers["Authorization"].removeprefix("Bearer ")
     report = _guidellm(live_api, token, service_model_dir, endpoint, stream, tmp_path / "report.json")
     (benchmark,) = report["benchmarks"]
+    # every request guidellm's scheduler made succeeded; its metrics count only those inside its measured window (a
+    # full-suite run once left the last of the 4 outside it), and none of those failed either
+    made = benchmark["scheduler_metrics"]["requests_made"]
+    assert made == {"successful": NUM_REQUESTS, "errored": 0, "incomplete": 0, "total": NUM_REQUESTS}
     totals = benchmark["metrics"]["request_totals"]
-    assert totals == {"successful": NUM_REQUESTS, "errored": 0, "incomplete": 0, "total": NUM_REQUESTS}
+    assert totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] == totals["total"] >= 1
     assert benchmark["metrics"]["output_token_count"]["successful"]["total_sum"] > 0
