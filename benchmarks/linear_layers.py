@@ -22,7 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, save_with_legend, write_json
-from benchmarks.numerics import paired_min_s
+from benchmarks.numerics import layers_pass, outermost_linear_layers, paired_min_s
 from engine.model_files import resolve_model
 from engine.models import cpu_packing, loader
 from paged_kernels import reference
@@ -67,19 +67,7 @@ def packed_layers(folder: Path, dtype: torch.dtype, layer_type: type[nn.Module])
     halves)."""
     model = loader.load_model(folder, dtype, CPU, ops=reference, weight_packing="off")
     cpu_packing.pack_linear_layers(model, layer_type)
-    modules = [module for module in model.modules() if hasattr(module, "in_features")]
-    inner = {id(child) for module in modules for child in module.modules() if child is not module}
-    return [module for module in modules if id(module) not in inner]
-
-
-def one_pass(layers: list[nn.Module], inputs: dict[int, torch.Tensor]):  # type: ignore[no-untyped-def]
-    """A callable that runs every layer once on the rows of its width."""
-    def run() -> None:
-        with torch.inference_mode():
-            for layer in layers:
-                layer(inputs[layer.in_features])
-
-    return run
+    return outermost_linear_layers(model)
 
 
 def plot(results: list[dict[str, Any]], layouts: list[str], baseline: str, path: Path) -> None:
@@ -106,12 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--baseline must be one of this machine's layouts for {args.dtype}: {', '.join(layouts)}")
     folder = resolve_model(args.model)
     models = {name: packed_layers(folder, dtype, layer_type) for name, layer_type in layouts.items()}
-    widths = {layer.in_features for layer in models[baseline]}
     weight_bytes = sum(layer.in_features * layer.out_features for layer in models[baseline]) * 2  # as 16-bit
     results = []
     for rows in tqdm(args.rows, desc="row counts", unit="count"):
-        inputs = {width: torch.randn(rows, width, dtype=dtype) for width in widths}
-        times = paired_min_s({name: one_pass(layers, inputs) for name, layers in models.items()}, args.repeats)
+        passes = {name: layers_pass(layers, rows, dtype) for name, layers in models.items()}
+        times = paired_min_s(passes, args.repeats)
         result: dict[str, Any] = {"rows": rows, **{f"{name}_ms": 1e3 * t for name, t in times.items()}}
         result.update({f"{name}_over_{baseline}": t / times[baseline] for name, t in times.items() if name != baseline})
         result.update({f"{name}_gb_per_s_16bit": weight_bytes / t / 1e9 for name, t in times.items()})

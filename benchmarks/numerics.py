@@ -124,12 +124,16 @@ def paired_min_s(runs: dict[str, Callable[[], object]], repeats: int) -> dict[st
     return best
 
 
-def linear_layers_run(llm: LLM, rows: int) -> Callable[[], None]:
-    """One pass of ``rows`` random token rows through every linear layer of the engine's model."""
-    linear = [m for m in llm.engine.model.modules() if hasattr(m, "in_features")]
-    inner = {id(child) for m in linear for child in m.modules() if child is not m}  # an int8 layer's many_rows
-    layers = [m for m in linear if id(m) not in inner]
-    dtype = llm.engine.model.embed_tokens.weight.dtype
+def outermost_linear_layers(model: nn.Module) -> list[nn.Module]:
+    """Every linear layer of ``model`` (anything with ``in_features``) that no other one holds: an int8 layer's
+    ``many_rows`` or a row-split head's halves run inside their holder."""
+    linear = [m for m in model.modules() if hasattr(m, "in_features")]
+    inner = {id(child) for m in linear for child in m.modules() if child is not m}
+    return [m for m in linear if id(m) not in inner]
+
+
+def layers_pass(layers: list[nn.Module], rows: int, dtype: torch.dtype) -> Callable[[], None]:
+    """One pass of ``rows`` random token rows (of ``dtype``) through every one of ``layers``, run once here."""
     inputs = [torch.randn(rows, layer.in_features, dtype=dtype) for layer in layers]
 
     def run() -> None:
@@ -139,6 +143,12 @@ def linear_layers_run(llm: LLM, rows: int) -> Callable[[], None]:
 
     run()
     return run
+
+
+def linear_layers_run(llm: LLM, rows: int) -> Callable[[], None]:
+    """One pass of ``rows`` random token rows through every linear layer of the engine's model."""
+    model = llm.engine.model
+    return layers_pass(outermost_linear_layers(model), rows, model.embed_tokens.weight.dtype)
 
 
 def start_decoding(llm: LLM, rows: int) -> list[str]:

@@ -57,11 +57,11 @@ constexpr int64_t kBlockOutputs = 2 * kLanes;
 int64_t blocks_of(int64_t out) { return (out + kBlockOutputs - 1) / kBlockOutputs; }
 
 #if defined(PAGEDSERVE_FP16_LINEAR)
-// For R rows (row r at x + r * stride, `in` features) and B adjacent blocks: y[r][first + o] = the products for the
+// For R rows (row r at x + r * in, `in` features) and B adjacent blocks: y[r][first + o] = the products for the
 // pass's outputs (plus bias), `outputs` of them valid. Each feature of a row is broadcast to all lanes and multiplied
 // into the blocks' weight vectors of that feature.
 template <int64_t R, int64_t B>
-void block_pass(const float* x, int64_t stride, const uint16_t* weights, int64_t in, const float* bias,
+void block_pass(const float* x, const uint16_t* weights, int64_t in, const float* bias,
                 int64_t first, int64_t outputs, float* y, int64_t out_features) {
   constexpr int64_t V = 2 * B;
   Vec sums[R][V];
@@ -74,10 +74,12 @@ void block_pass(const float* x, int64_t stride, const uint16_t* weights, int64_t
   for (int64_t k = 0; k < in; ++k) {
     Vec w[V];
 #pragma GCC unroll 4
-    for (int64_t v = 0; v < V; ++v) w[v] = widen(weights + (v / 2) * block_elements + k * kBlockOutputs + (v % 2) * kLanes);
+    for (int64_t v = 0; v < V; ++v) {
+      w[v] = widen(weights + (v / 2) * block_elements + k * kBlockOutputs + (v % 2) * kLanes);
+    }
 #pragma GCC unroll 12
     for (int64_t r = 0; r < R; ++r) {
-      const Vec row = broadcast(x[r * stride + k]);
+      const Vec row = broadcast(x[r * in + k]);
 #pragma GCC unroll 4
       for (int64_t v = 0; v < V; ++v) sums[r][v] = fmadd(row, w[v], sums[r][v]);
     }
@@ -107,7 +109,7 @@ void rows_pass(int64_t rows, const float* x, int64_t in, const uint16_t* weights
   if constexpr (R > 1) {
     if (rows < R) return rows_pass<B, R - 1>(rows, x, in, weights, bias, first, outputs, y, out_features);
   }
-  block_pass<R, B>(x, in, weights, in, bias, first, outputs, y, out_features);
+  block_pass<R, B>(x, weights, in, bias, first, outputs, y, out_features);
 }
 
 // every row through B adjacent blocks starting at `block`, R rows a pass: the blocks' later passes read them from L2

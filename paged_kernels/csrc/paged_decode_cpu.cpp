@@ -149,7 +149,7 @@ inline int64_t padded(int64_t length) { return (length + kLanes - 1) / kLanes * 
 // the block table put it, out of reach of the hardware prefetchers, and decode reads the cache from memory.
 // Into L2 only (prefetcht1, locality 2): a prefetch into L1 (prefetcht0) holds one of the core's few L1 miss
 // buffers until its line arrives, which capped the reads at 10-12 GB/s over two Zen 4 cores; into L2 the same
-// calls took 0.51-0.55x their time at 8-32 rows x 256-4,096 positions (prefetchnta: no change)
+// calls took 0.51-0.55x their time at 8-32 rows x 256-4,096 positions (prefetchnta: no change; a Zen 3: 0.96-1.03x)
 template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* const* rows, int64_t count, int64_t bytes) {
   for (int64_t i = 0; i < count; ++i) {
