@@ -21,15 +21,16 @@ from paged_kernels.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 # one translation unit, in this order: simd_math_cpu.cpp's exponential and conversions serve the files after it,
-# int8_linear_cpu.cpp's packing and argument checks int8_vnni_linear_cpu.cpp
+# int8_linear_cpu.cpp's packing and argument checks int8_vnni_linear_cpu.cpp,
+# and decode_stack_cpu.cpp calls the kernels of every file before it
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "kv_cache_cpu.cpp", "layer_ops_cpu.cpp",
                         "int8_linear_cpu.cpp", "int8_vnni_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-                        "fp16_linear_cpu.cpp")]
+                        "fp16_linear_cpu.cpp", "decode_stack_cpu.cpp")]
 FUNCTIONS = ["paged_decode", "write_kv_cache_", "rotary_", "add_rms_norm_", "silu_and_mul", "int8_pack_weight",
              "int8_linear", "has_int8_vnni_linear", "int8_vnni_pack_weight", "int8_vnni_linear",
              "has_bf16_linear", "bf16_pack_weight", "bf16_linear", "has_fp16_linear", "fp16_pack_weight",
-             "fp16_linear"]
+             "fp16_linear", "decode_layers"]
 
 
 def extension_name() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from transformers import PretrainedConfig
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.rotary import RotaryEmbedding, apply_rotary
 from paged_kernels.backend import KernelBackend
+
+if TYPE_CHECKING:
+    from engine.models.cpu_decode_stack import CompiledDecodeStack
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 # what paged_kernels/csrc/layer_ops_cpu.cpp takes
@@ -139,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
         self.fused_ops: ModuleType | None = None  # the CPU's compiled layer ops (fuse_cpu_layer_ops)
+        # the layers as one compiled call for decode steps (set by the loader where it applies)
+        self.decode_stack: CompiledDecodeStack | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -148,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # the fused rotary reads fp32 cos/sin whatever the model's dtype, and rounds each result once
         cos_sin = self.rotary.table(positions, hidden.dtype if self.fused_ops is None else torch.float32)
+        if self.decode_stack is not None and self.decode_stack.takes(hidden, kv_caches, meta):
+            return self.decode_stack(hidden, cos_sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from engine.models.cpu_decode_stack import CompiledDecodeStack
 from engine.models.cpu_packing import pack_linear_layers, packed_layer_type
 from engine.models.llama import FUSED_DTYPES, LlamaForCausalLM
 from engine.models.quantization import quantize_linear_layers, quantize_weights_only
@@ -62,7 +63,8 @@ def load_model(
     quantized as ``quantization`` says (``EngineConfig.quantization``) and the others prepacked as
     ``weight_packing`` (``EngineConfig.cpu_weight_packing``) says. With the ``cpu`` kernel backend the model's
     norms, rotary embedding and SiLU run fused too (the backend's ``fused_layer_ops``), unless ``weight_packing``
-    asks for exact numerics."""
+    asks for exact numerics, and where every projection runs one of our compiled kernels, decode steps run the
+    layers in one compiled call (``CompiledDecodeStack``)."""
     config = load_config(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops)
@@ -86,6 +88,7 @@ def load_model(
         pack_linear_layers(model, layer_type)
     if dtype in FUSED_DTYPES and weight_packing != "exact" and (layer_ops := ops.fused_layer_ops()) is not None:
         model.fuse_cpu_layer_ops(layer_ops)
+        model.decode_stack = CompiledDecodeStack.for_model(model)
     return model
 
 
