@@ -3,9 +3,10 @@
 The revision is checked out into a temporary git worktree and put first on the child process's ``PYTHONPATH``,
 so that its ``engine`` package is the one imported; the working tree's child imports its own. Each child builds
 the engine once (the model, dtype and weight packing of ``LLM``'s defaults unless flags say otherwise), then for
-each batch size adds that many greedy requests of ``--tokens`` tokens (EOS ignored), runs the prefill step
-untimed and times the decode steps after it: ms per step, the fastest of ``--repeats``. The two sides alternate
-for ``--rounds`` rounds (these hosts drift by a quarter within minutes, so each side's fastest round is compared).
+each batch size adds that many requests of ``--tokens`` tokens (EOS ignored; greedy unless ``--temperature``),
+runs the prefill step untimed and times the decode steps after it: ms per step, the fastest of ``--repeats``. The two
+sides alternate for ``--rounds`` rounds (these hosts drift by a quarter within minutes, so each side's fastest round
+is compared).
 Writes JSON (every round, the machine), a table and a plot of working tree ÷ revision per batch size.
 
     .venv/bin/python -m benchmarks.step_revisions --base HEAD~1 --batches 1 8 32 --rounds 3
@@ -40,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model name or folder (LLM's default when not given)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="sequences per decode step")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of the requests (0: greedy); each request is seeded")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per batch size and child")
     parser.add_argument("--rounds", type=int, default=3, help="children per side, alternating")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
@@ -51,18 +54,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("repeats", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
     if args.tokens < 2:
         parser.error("--tokens must be >= 2 (one prefill step, then decode steps to time)")
     return args
 
 
-def decode_ms_per_step(llm: Any, batch: int, tokens: int) -> float:
-    """Milliseconds per decode step of ``batch`` greedy sequences, after their untimed prefill step."""
+def decode_ms_per_step(llm: Any, batch: int, tokens: int, temperature: float = 0.0) -> float:
+    """Milliseconds per decode step of ``batch`` sequences sampled at ``temperature`` (0: greedy), after their
+    untimed prefill step."""
     from engine import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
+        params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=i, ignore_eos=True)
         engine.add_request(f"bench-{batch}-{time.monotonic_ns()}-{i}", PROMPT.format(i), params)
     while engine.scheduler.waiting:  # prefill (chunked over several steps if the batch's prompts need it)
         engine.step()
@@ -80,7 +86,7 @@ def run_child(args: argparse.Namespace) -> None:
 
     llm = LLM(**({"model": args.model} if args.model else {}), max_num_seqs=max(args.batches))
     decode_ms_per_step(llm, 1, 8)  # warm-up: first calls pay for allocator and kernel start-up
-    steps = {batch: min(decode_ms_per_step(llm, batch, args.tokens) for _ in range(args.repeats))
+    steps = {batch: min(decode_ms_per_step(llm, batch, args.tokens, args.temperature) for _ in range(args.repeats))
              for batch in args.batches}
     print(json.dumps({"engine": str(Path(engine.__file__).resolve().parent), "ms_per_step": steps}))
 
@@ -88,7 +94,7 @@ def run_child(args: argparse.Namespace) -> None:
 def child_result(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Run a child whose ``engine`` comes from ``root``; its JSON line, checked to have imported from there."""
     command = [sys.executable, "-c", CHILD_BOOT, str(Path(__file__).resolve()), "--batches", *map(str, args.batches),
-               "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+               "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--temperature", str(args.temperature)]
     if args.model:
         command += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}

@@ -95,7 +95,7 @@ class LLMEngine:
             graphs = capture_decode_graphs(self.model, self.cache, self.ops, max_blocks_per_seq,
                                            min(config.cuda_graph_max_batch, config.max_num_seqs))
         self.runner = ModelRunner(self.model, self.cache, config.block_size, self.device, graphs)
-        self.sampler = StepSampler(self.eos_token_ids)
+        self.sampler = StepSampler(self.eos_token_ids, self.ops.fused_layer_ops())
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.groups = self.output_processor.groups  # live requests by id

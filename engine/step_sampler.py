@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -35,8 +36,9 @@ class SamplerOutput:
 class StepSampler:
     """Samples every sequence that reached its last token; beam-search requests advance their beams."""
 
-    def __init__(self, eos_token_ids: set[int]) -> None:
+    def __init__(self, eos_token_ids: set[int], compiled: ModuleType | None = None) -> None:
         self.eos_token_ids = eos_token_ids
+        self.compiled = compiled  # the CPU's compiled kernels, for their sampler (engine.sampler.sample)
 
     def _row(self, group: SequenceGroup, seq: Sequence, generator: torch.Generator | None,
              device: torch.device) -> SamplingRow:
@@ -74,7 +76,7 @@ class StepSampler:
                 out.beams.append(advance)
         if rows:
             forked = row_of_logits != list(range(len(sampled)))
-            results = iter(sample(logits[row_of_logits] if forked else logits, rows))
+            results = iter(sample(logits[row_of_logits] if forked else logits, rows, self.compiled))
             for item in out.samples:
                 item.results = [next(results) for _ in range(1 + len(item.fork_generators))]
         return out

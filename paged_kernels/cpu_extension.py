@@ -1,11 +1,11 @@
 """The CPU's compiled kernels (``paged_kernels/csrc/``), built once per machine by torch's C++ extension tooling.
 
-No maintained library ships a paged decode attention, fused norms, rotary embedding and SiLU, or a few-row
-int8-, bf16- or fp16-weight linear that reads at memory speed, for torch's CPU build (vLLM's and IPEX's are tied to
-their own builds and torch versions; torch's own ``rms_norm`` is composed of the same five ops on the CPU), so these
-are ours: a few hundred lines of C++ that torch compiles with the machine's compiler into its extension cache
-(``TORCH_EXTENSIONS_DIR``) on first use, and that later processes load from there. ``None`` where it cannot be
-built; callers then stay on plain torch.
+No maintained library ships a paged decode attention, fused norms, rotary embedding and SiLU, a few-row int8-, bf16-
+or fp16-weight linear that reads at memory speed, a loop over a decode step's layers or a one-pass sampler, for
+torch's CPU build (vLLM's and IPEX's are tied to their own builds and torch versions; torch's own ``rms_norm`` is
+composed of the same five ops on the CPU), so these are ours: a few hundred lines of C++ that torch compiles with the
+machine's compiler into its extension cache (``TORCH_EXTENSIONS_DIR``) on first use, and that later processes load
+from there. ``None`` where it cannot be built; callers then stay on plain torch.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("simd_math_cpu.cpp", "paged_decode_cpu.cpp", "kv_cache_cpu.cpp", "layer_ops_cpu.cpp",
                         "int8_linear_cpu.cpp", "int8_vnni_linear_cpu.cpp", "bf16_linear_cpu.cpp",
-                        "fp16_linear_cpu.cpp", "decode_stack_cpu.cpp")]
+                        "fp16_linear_cpu.cpp", "decode_stack_cpu.cpp", "sampler_cpu.cpp")]
 FUNCTIONS = ["paged_decode", "write_kv_cache_", "rotary_", "add_rms_norm_", "silu_and_mul", "int8_pack_weight",
              "int8_linear", "has_int8_vnni_linear", "int8_vnni_pack_weight", "int8_vnni_linear",
              "has_bf16_linear", "bf16_pack_weight", "bf16_linear", "has_fp16_linear", "fp16_pack_weight",
-             "fp16_linear", "decode_layers"]
+             "fp16_linear", "decode_layers", "sample_tokens"]
 
 
 def extension_name() -> str:
@@ -54,8 +54,8 @@ def build_kernels(name: str, sources: list[str], march: str = "native", sanitize
         # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch).
         # -fno-trapping-math: no kernel reads floating-point exception flags, and with them kept GCC leaves the
         # selects of exp_nonpositive and SiLU as branches, so no loop that calls them was vectorized (the decode
-        # softmax and the SiLU ran one float at a time: decode 1.1-1.35x, SiLU 4-5x slower on a Zen 3). The
-        # softmax's total is now summed a vector at a time, in another order
+        # softmax, the SiLU and the sampler's weights ran one float at a time: decode 1.1-1.35x, SiLU 4-5x slower on
+        # a Zen 3). The softmax's total is now summed a vector at a time, in another order
         extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math", *sanitize],
         extra_ldflags=["-fopenmp", *sanitize],
     )

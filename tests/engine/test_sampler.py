@@ -4,6 +4,7 @@ the vocabulary whatever the parameters and logits (NaN, infinities, subnormal te
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import pytest
 import torch
@@ -15,6 +16,18 @@ from engine.beam_search import beam_step
 from engine.sampler import SCAN_BLOCK, SamplingRow, sample
 from engine.sampling_params import MIN_SAMPLING_TEMPERATURE
 from engine.sequence import Sequence
+from paged_kernels.cpu_extension import cpu_kernels
+
+
+@pytest.fixture(scope="module", params=["torch", "compiled"])
+def compiled(request: pytest.FixtureRequest) -> ModuleType | None:
+    """What ``sample`` gets for its ``compiled`` kernels: none (its torch ops), or the CPU's, whose sampler draws the
+    rows that only scale their logits by a temperature (the others stay on the torch ops)."""
+    if request.param == "torch":
+        return None
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
+    return kernels
 
 
 def rows(count: int, seed: int, **params: object) -> list[SamplingRow]:
@@ -22,17 +35,17 @@ def rows(count: int, seed: int, **params: object) -> list[SamplingRow]:
     return [SamplingRow(SamplingParams(**params), generator, [], 0, []) for _ in range(count)]
 
 
-def test_random_sampling_follows_the_softmax_and_skips_zero_probability_tokens() -> None:
+def test_random_sampling_follows_the_softmax_and_skips_zero_probability_tokens(compiled: ModuleType | None) -> None:
     probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
     logits = probs.log().expand(4000, -1).contiguous()  # -inf where the probability is 0
-    tokens = torch.tensor([r.token_id for r in sample(logits, rows(4000, seed=3, temperature=1.0))])
+    tokens = torch.tensor([r.token_id for r in sample(logits, rows(4000, seed=3, temperature=1.0), compiled)])
     counts = torch.bincount(tokens, minlength=6).float()
     assert counts[[0, 2, 5]].sum() == 0
     # binomial standard deviation at n=4000 is at most 32 counts: 4 sigma
     assert torch.all((counts - 4000 * probs).abs() < 130), counts
 
 
-def test_a_vocabulary_of_many_blocks_samples_its_probabilities_across_blocks() -> None:
+def test_a_vocabulary_of_many_blocks_samples_its_probabilities_across_blocks(compiled: ModuleType | None) -> None:
     # the search runs on block sums, then inside a block: mass in the tail block, in the last entry of a block,
     # in the first of the next, and whole blocks of zero probability between them
     vocab = 3 * SCAN_BLOCK + 7
@@ -40,55 +53,93 @@ def test_a_vocabulary_of_many_blocks_samples_its_probabilities_across_blocks() -
     probs = torch.zeros(vocab)
     probs[list(chosen)] = torch.tensor(list(chosen.values()))
     logits = probs.log().expand(4000, -1).contiguous()
-    tokens = torch.tensor([r.token_id for r in sample(logits, rows(4000, seed=7, temperature=1.0))])
+    tokens = torch.tensor([r.token_id for r in sample(logits, rows(4000, seed=7, temperature=1.0), compiled)])
     counts = torch.bincount(tokens, minlength=vocab).float()
     assert counts.sum() == counts[list(chosen)].sum() == 4000
     assert torch.all((counts - 4000 * probs).abs() < 130), counts[list(chosen)]
 
 
 @pytest.mark.parametrize("vocab", [5, SCAN_BLOCK, SCAN_BLOCK + 1, 3 * SCAN_BLOCK - 1])  # one block; tails
-def test_greedy_takes_the_first_of_tied_maxima_whatever_the_blocks(vocab: int) -> None:
+def test_greedy_takes_the_first_of_tied_maxima_whatever_the_blocks(vocab: int, compiled: ModuleType | None) -> None:
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab))
     ties = [vocab - 1, vocab // 2, 1]  # row 0 ties at both ends of the vocabulary; row 1 ties two positions
     logits[0, ties] = logits[1, ties[1:]] = 100.0
     logits[2, vocab - 1] = 100.0  # the very last entry
     logits[3] = float("-inf")  # nothing to take: token 0, as torch's max gives
-    tokens = [r.token_id for r in sample(logits, rows(4, seed=0, temperature=0.0))]
+    tokens = [r.token_id for r in sample(logits, rows(4, seed=0, temperature=0.0), compiled)]
     assert tokens == [1, 1, vocab - 1, 0] == logits.max(dim=-1).indices.tolist()
 
 
 @pytest.mark.parametrize("draw", [0.0, 0.5, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))])
 def test_the_highest_draw_still_lands_on_a_token_of_positive_weight(
-    monkeypatch: pytest.MonkeyPatch, draw: float
-) -> None:
+    monkeypatch: pytest.MonkeyPatch, draw: float, compiled: ModuleType | None) -> None:
     # weight only in the first entries of two blocks, every entry after them 0 (the tail block too): a draw at the
     # top of [0, 1) must not run on past the last weighted token
     vocab = 3 * SCAN_BLOCK + 5
     probs = torch.zeros(vocab)
     probs[[3, SCAN_BLOCK + 1]] = torch.tensor([0.25, 0.75])
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.tensor(draw))
-    (result,) = sample(probs.log()[None, :], rows(1, seed=0, temperature=1.0))
+    (result,) = sample(probs.log()[None, :], rows(1, seed=0, temperature=1.0), compiled)
     assert result.token_id == (3 if draw < 0.25 else SCAN_BLOCK + 1)
 
 
-def test_top_k_and_top_p_sampling_stays_inside_the_kept_set() -> None:
+def test_top_k_and_top_p_sampling_stays_inside_the_kept_set(compiled: ModuleType | None) -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(500, -1).contiguous()
-    top_k = {r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_k=2))}
+    top_k = {r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_k=2), compiled)}
     assert top_k == {0, 1}
     # probabilities ≈ .64 .24 .09 .03 .01: the nucleus for 0.8 is the first two tokens
-    top_p = {r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_p=0.8))}
+    top_p = {r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_p=0.8), compiled)}
     assert top_p == {0, 1}
     # top_k 0 leaves every token in, as -1 does (vLLM's two spellings of "off")
-    unlimited = [[r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_k=k))] for k in (0, -1)]
+    unlimited = [[r.token_id for r in sample(logits, rows(500, seed=5, temperature=1.0, top_k=k), compiled)]
+                 for k in (0, -1)]
     assert unlimited[0] == unlimited[1] and set(unlimited[0]) == {0, 1, 2, 3, 4}
 
 
-def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_batch() -> None:
+def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_batch(compiled: ModuleType | None) -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    alone = sample(logits[1:2].clone(), rows(1, seed=11, temperature=1.0))[0].token_id
+    alone = sample(logits[1:2].clone(), rows(1, seed=11, temperature=1.0), compiled)[0].token_id
     batch = rows(3, seed=99, temperature=1.0)
     batch[1] = rows(1, seed=11, temperature=1.0)[0]
     assert sample(logits.clone(), batch)[1].token_id == alone
+
+
+def test_the_compiled_sampler_draws_what_the_torch_ops_draw() -> None:
+    """The same logits and generators give the same tokens both ways, greedy and random, at temperatures from 0.2
+    to 2, over SmolLM2's vocabulary (sums run in another order, so a draw within rounding of a boundary between two
+    tokens could differ: none among these), rows with masked tokens and a NaN row included."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    logits = torch.randn(48, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    logits[1, 1000:40000] = float("-inf")
+    logits[2, 7] = float("nan")  # falls back to its finite logits' argmax
+    logits[3, 49151] = 60.0  # the last entry takes nearly all the mass
+    temperatures = [0.0, 0.2, 0.7, 1.0, 1.3, 2.0]
+
+    def draw(compiled: ModuleType | None) -> list[int]:
+        batch = [SamplingRow(SamplingParams(temperature=temperatures[i % len(temperatures)]),
+                             torch.Generator().manual_seed(i), [], 0, []) for i in range(logits.shape[0])]
+        return [r.token_id for r in sample(logits, batch, compiled)]
+
+    tokens = draw(kernels)
+    assert tokens == draw(None)
+    assert tokens[2] == int(logits[2].nan_to_num(nan=float("-inf")).argmax()) and tokens[3] == 49151
+    assert len(set(tokens)) > 40  # random draws, not one token
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda a: a.__setitem__(0, a[0].double()), "logits must be a contiguous 2-D fp32"),
+    (lambda a: a.__setitem__(0, a[0].t()), "logits must be a contiguous 2-D fp32"),
+    (lambda a: a.__setitem__(1, a[1][:1]), "inverse_temperatures must hold one fp32 value per row"),
+    (lambda a: a.__setitem__(2, a[2].double()), "uniforms must hold one fp32 value per row"),
+], ids=["fp64", "strided", "temperatures", "uniforms"])
+def test_the_compiled_sampler_names_what_is_wrong(change, message: str) -> None:  # type: ignore[no-untyped-def]
+    kernels = cpu_kernels()
+    assert kernels is not None
+    arguments = [torch.randn(3, 3), torch.ones(3), torch.rand(3)]
+    change(arguments)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.sample_tokens(*arguments)
 
 
 # ---- numerical safety ------------------------------------------------------------------------
@@ -125,13 +176,13 @@ def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingRow]]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches())
+@given(batch=batches())
 def test_any_parameters_and_logits_give_in_vocabulary_tokens_and_finite_logprobs(
-    batch: tuple[torch.Tensor, list[SamplingRow]],
+    batch: tuple[torch.Tensor, list[SamplingRow]], compiled: ModuleType | None,
 ) -> None:
     logits, batch_rows = batch
     raw = logits.clone()
-    results = sample(logits, batch_rows)
+    results = sample(logits, batch_rows, compiled)
     assert torch.equal(logits.nan_to_num(), raw.nan_to_num())  # the caller's logits are never edited
     for result, row in zip(results, batch_rows):
         assert 0 <= result.token_id < logits.shape[-1]
@@ -141,52 +192,54 @@ def test_any_parameters_and_logits_give_in_vocabulary_tokens_and_finite_logprobs
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(logit_values, min_size=2, max_size=16), st.sampled_from(EXTREME_TEMPERATURES))
+@given(values=st.lists(logit_values, min_size=2, max_size=16), temperature=st.sampled_from(EXTREME_TEMPERATURES))
 def test_a_row_with_nan_or_infinite_logits_takes_the_argmax_of_its_finite_ones(
-    values: list[float], temperature: float,
+    values: list[float], temperature: float, compiled: ModuleType | None,
 ) -> None:
     logits = torch.tensor([values], dtype=torch.float32)
     logits[0, 0] = float("nan")
     logits[0, -1] = float("inf")
     finite = logits.nan_to_num(nan=float("-inf"), posinf=float("-inf"), neginf=float("-inf"))
     expected = int(finite.argmax()) if bool(torch.isfinite(finite).any()) else 0
-    assert sample(logits, rows(1, seed=0, temperature=temperature))[0].token_id == expected
+    assert sample(logits, rows(1, seed=0, temperature=temperature), compiled)[0].token_id == expected
 
 
-def test_a_row_whose_every_token_is_masked_falls_back_to_greedy() -> None:
+def test_a_row_whose_every_token_is_masked_falls_back_to_greedy(compiled: ModuleType | None) -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
     row = SamplingRow(SamplingParams(temperature=1.0, top_k=1), torch.Generator(), [], 0, [0, 1, 2, 3])
-    assert sample(logits, [row])[0].token_id in range(4)
+    assert sample(logits, [row], compiled)[0].token_id in range(4)
     row.suppressed_token_ids = [1, 3]
-    assert sample(logits, [row])[0].token_id == 2  # the one kept by top_k=1 after suppression
+    assert sample(logits, [row], compiled)[0].token_id == 2  # the one kept by top_k=1 after suppression
 
 
-def test_temperature_too_small_to_divide_by_is_greedy() -> None:
+def test_temperature_too_small_to_divide_by_is_greedy(compiled: ModuleType | None) -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0]]).expand(50, -1).contiguous()
     assert SamplingParams(temperature=1e-40).greedy
-    assert {r.token_id for r in sample(logits, rows(50, seed=1, temperature=1e-40))} == {1}
+    assert {r.token_id for r in sample(logits, rows(50, seed=1, temperature=1e-40), compiled)} == {1}
     assert not SamplingParams(temperature=MIN_SAMPLING_TEMPERATURE).greedy
 
 
-def test_huge_logits_and_temperatures_sample_finite_probabilities() -> None:
+def test_huge_logits_and_temperatures_sample_finite_probabilities(compiled: ModuleType | None) -> None:
     logits = torch.tensor([[1e38, -1e38, 5e37, float("-inf")]]).expand(400, -1).contiguous()
-    assert {r.token_id for r in sample(logits, rows(400, seed=2, temperature=1e-5))} == {0}
+    assert {r.token_id for r in sample(logits, rows(400, seed=2, temperature=1e-5), compiled)} == {0}
     # at an enormous temperature (inf in fp32) the finite logits become about equally likely;
     # the masked one is never drawn
-    assert {r.token_id for r in sample(logits, rows(400, seed=2, temperature=1e300))} == {0, 1, 2}
+    assert {r.token_id for r in sample(logits, rows(400, seed=2, temperature=1e300), compiled)} == {0, 1, 2}
     # equal huge logits stay a fair draw: divided before shifting by their max they would overflow
     tied = torch.tensor([[2e38, 2e38, -1.0]]).expand(400, -1).contiguous()
-    assert {r.token_id for r in sample(tied, rows(400, seed=2, temperature=0.5))} == {0, 1}
+    assert {r.token_id for r in sample(tied, rows(400, seed=2, temperature=0.5), compiled)} == {0, 1}
 
 
 # ---- device placement --------------------------------------------------------------------------
-def test_sampler_and_beam_search_create_every_tensor_on_the_logits_device() -> None:
+def test_sampler_and_beam_search_create_every_tensor_on_the_logits_device(compiled: ModuleType | None) -> None:
     """With the default device set elsewhere (meta), a tensor made without ``device=`` would not
     meet the logits' device, as a CPU tensor would not meet CUDA logits."""
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
-    expected = sample(logits, _mixed_rows())
+    expected = sample(logits, _mixed_rows(), compiled)
+    plain = sample(logits, rows(3, seed=1, temperature=0.8, logprobs=1), compiled)
     with torch.device("meta"):
-        assert sample(logits, _mixed_rows()) == expected
+        assert sample(logits, _mixed_rows(), compiled) == expected
+        assert sample(logits, rows(3, seed=1, temperature=0.8, logprobs=1), compiled) == plain
         beams = [Sequence([1, 2, 3], 2), Sequence([1, 2, 4], 2)]
         step = beam_step(beams, logits[:2], 2, 5, 1.0, {0}, [])
     assert all(0 <= c.token_id < 40 for c in step.choices)

@@ -1,6 +1,7 @@
 """Run by test_kernels_under_asan.py in a process with AddressSanitizer's runtime preloaded: the CPU's kernels, built
 with ``-fsanitize=address``: the linear layers over shapes off their blocks and row counts across their passes, decode
-attention over contexts whole and split across threads, and the KV cache write over strided rows; each result checked
+attention over contexts whole and split across threads, the KV cache write over strided rows, and the sampler over
+vocabularies off its blocks; each result checked
 against fp64 (the cache write against a copy row by row). A read or write outside a tensor aborts the process with
 ASan's report; a wrong value fails an assertion."""
 
@@ -58,7 +59,7 @@ def main() -> None:
                     expected = hidden.double() @ weight.half().double().T + added
                     assert close(got, expected, 1e-5, 1e-4), ("fp16_linear", out_features, in_features, rows)
                     checked += 1
-    checked += check_decode(kernels) + check_cache_write(kernels)
+    checked += check_decode(kernels) + check_cache_write(kernels) + check_sampler(kernels)
     print(f"checked {checked} calls")
 
 
@@ -96,6 +97,22 @@ def check_cache_write(kernels) -> int:  # type: ignore[no-untyped-def]
         assert torch.equal(value_cache.flatten(0, 1)[slot], fused[token, 4:]), ("write_kv_cache_", slot)
     assert int((key_cache != 0).sum()) == int((fused[[0, 2], 2:4] != 0).sum())  # nothing else written
     return 1
+
+
+def check_sampler(kernels) -> int:  # type: ignore[no-untyped-def]
+    """sample_tokens over vocabularies off its blocks of 256, with draws at both ends of [0, 1) and greedy rows: every
+    token inside the vocabulary, with weight where drawn, the first maximum where greedy."""
+    checked = 0
+    for vocab in (1, 5, 255, 256, 257, 3 * 256 + 7):
+        logits = torch.randn(6, vocab) * 3
+        logits[1, max(1, vocab // 2):] = float("-inf")  # the tail of the row masked: a top draw must not run into it
+        uniforms = torch.tensor([0.0, 1 - 2**-24, 0.5, -1.0, 1 - 2**-24, -1.0])  # -1: greedy
+        tokens = kernels.sample_tokens(logits, torch.ones(6), uniforms)
+        assert ((tokens >= 0) & (tokens < vocab)).all(), ("sample_tokens", vocab, tokens)
+        assert all(logits[row, tokens[row]] > float("-inf") for row in range(6)), ("sample_tokens", vocab)
+        assert tokens[3] == logits[3].argmax() and tokens[5] == logits[5].argmax(), ("sample_tokens", vocab)
+        checked += 1
+    return checked
 
 
 if __name__ == "__main__":
