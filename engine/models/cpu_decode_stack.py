@@ -10,6 +10,7 @@ layers'. Steps with prefill rows, and models whose layers it does not know, keep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -39,12 +40,31 @@ def _linear_args(layer: nn.Module, kernels: ModuleType) -> tuple[list[torch.Tens
     return [layer.packed_weight, scale, layer.fp32_bias], [LINEAR_KINDS[name], layer.in_features, layer.out_features]
 
 
+@dataclass(frozen=True, slots=True)
+class StackLinears:
+    """Every layer's projections as ``decode_layers`` takes them, flattened: ``tensors`` 3 and ``shapes`` 3 per
+    projection."""
+
+    tensors: list[torch.Tensor]
+    shapes: list[int]
+
+    @classmethod
+    def of(cls, projections: list[nn.Module], kernels: ModuleType) -> StackLinears | None:
+        """``projections`` (qkv, o, gate_up and down of each layer in turn), or None where one is not compiled."""
+        linears = [args for projection in projections if (args := _linear_args(projection, kernels)) is not None]
+        if len(linears) < len(projections):
+            return None
+        return cls([tensor for tensors, _ in linears for tensor in tensors],
+                   [value for _, shapes in linears for value in shapes])
+
+
 class CompiledDecodeStack:
     """The decoder layers of a model (with fused layer ops, on the CPU kernel backend, every projection compiled) as
-    the arguments of one ``decode_layers`` call, gathered once."""
+    the arguments of one ``decode_layers`` call, gathered once. ``int8_weight_only`` layers run their kernel up to
+    ``INT8_KERNEL_MAX_ROWS`` rows and their ``many_rows`` layer past it: the stack keeps both sets of projections."""
 
-    def __init__(self, model: LlamaForCausalLM, kernels: ModuleType,
-                 linears: list[tuple[list[torch.Tensor], list[int]]], max_rows: int | None) -> None:
+    def __init__(self, model: LlamaForCausalLM, kernels: ModuleType, few_rows: StackLinears,
+                 many_rows: StackLinears | None, max_few_rows: int | None) -> None:
         attention = model.layers[0].self_attn
         self.decode_layers = kernels.decode_layers
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
@@ -52,11 +72,9 @@ class CompiledDecodeStack:
         self.scale = attention.attn.scale
         self.eps = model.norm.eps
         self.dtype = model.embed_tokens.weight.dtype
-        self.max_rows = max_rows  # int8 layers run their kernel up to INT8_KERNEL_MAX_ROWS rows only
         self.norm_weights = [norm.weight for layer in model.layers
                              for norm in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm.weight]
-        self.linear_tensors = [tensor for tensors, _ in linears for tensor in tensors]
-        self.linear_shapes = [value for _, shapes in linears for value in shapes]
+        self.few_rows, self.many_rows, self.max_few_rows = few_rows, many_rows, max_few_rows
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> CompiledDecodeStack | None:
@@ -73,20 +91,27 @@ class CompiledDecodeStack:
         projections = [projection for layer in model.layers
                        for projection in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                           layer.mlp.down_proj)]
-        linears = [args for projection in projections if (args := _linear_args(projection, kernels)) is not None]
-        if len(linears) < len(projections):
+        few_rows = StackLinears.of(projections, kernels)
+        if few_rows is None:
             return None
-        int8 = any(isinstance(projection, Int8WeightOnlyLinear) for projection in projections)
-        return cls(model, kernels, linears, INT8_KERNEL_MAX_ROWS if int8 else None)
+        if not any(isinstance(projection, Int8WeightOnlyLinear) for projection in projections):
+            return cls(model, kernels, few_rows, None, None)
+        many_rows = StackLinears.of([projection.many_rows if isinstance(projection, Int8WeightOnlyLinear)
+                                     else projection for projection in projections], kernels)
+        return cls(model, kernels, few_rows, many_rows, INT8_KERNEL_MAX_ROWS)
+
+    def _linears(self, rows: int) -> StackLinears | None:
+        """The projections a step of ``rows`` rows runs (None: some are not compiled for so many rows)."""
+        return self.few_rows if self.max_few_rows is None or rows <= self.max_few_rows else self.many_rows
 
     def takes(self, hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               meta: AttentionMetadata) -> bool:
-        """Whether this step runs here: decode rows only, within the int8 kernels' rows, over caches the compiled
-        decode reads (contiguous CPU tensors in the model's dtype)."""
+        """Whether this step runs here: decode rows only, with compiled projections for so many rows, over caches the
+        compiled decode reads (contiguous CPU tensors in the model's dtype)."""
         rows = hidden.shape[0]
         key_cache, value_cache = kv_caches[0]
         return (rows > 0 and not meta.has_prefill and meta.num_decode_tokens == rows
-                and (self.max_rows is None or rows <= self.max_rows)
+                and self._linears(rows) is not None
                 and key_cache.dtype == self.dtype and cpu_ops.runs_compiled(hidden, key_cache, value_cache))
 
     def __call__(self, hidden: torch.Tensor, cos_sin: CosSin, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -100,8 +125,10 @@ class CompiledDecodeStack:
         check_cache_write(key_like, key_like, key_cache, value_cache, meta.slot_mapping, meta.slot_range)
         check_decode(hidden.new_empty((rows, self.num_heads, self.head_dim)), key_cache, value_cache,
                      meta.decode_block_tables, meta.decode_context_lens, meta.decode_host)
+        linears = self._linears(rows)
+        assert linears is not None  # takes() said so
         return self.decode_layers(
             hidden, *cos_sin, [cache for cache, _ in kv_caches], [cache for _, cache in kv_caches],
             meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, self.norm_weights,
-            self.linear_tensors, self.linear_shapes, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+            linears.tensors, linears.shapes, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
             self.scale)
