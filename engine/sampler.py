@@ -5,10 +5,10 @@ Numerically safe: NaN and +inf never reach a softmax, and a row whose distributi
 (NaN or +inf logits, every token masked) takes the arg-max of its finite logits, so every token
 returned lies in ``[0, vocab)``. Every tensor is made on ``logits.device``.
 
-On the CPU, rows that only scale their logits by a temperature (what most requests ask) are drawn by the compiled
-kernels' sampler (``paged_kernels/csrc/sampler_cpu.cpp``) in one pass over each row, to the same tokens: the torch ops
-below took 0.55 ms at one row, 3.6 ms at 16 and 15.8 ms at 64 over SmolLM2's 49,152 tokens on a 2-vCPU Zen 3, the
-kernel 0.09, 0.47 and 1.9 ms.
+On the CPU the draws after the logit edits are the compiled kernels' (``paged_kernels/csrc/sampler_cpu.cpp``), to the
+same tokens: over SmolLM2's 49,152 tokens on a 2-vCPU Zen 3 the torch ops took 0.55 ms at one row, 3.6 ms at 16 and
+15.8 ms at 64 with a temperature alone, the kernel 0.09, 0.47 and 1.9 ms; with top-p or top-k, whose torch path sorts
+the vocabulary, 8-10 ms a row.
 """
 
 from __future__ import annotations
@@ -265,32 +265,24 @@ def _fallback_inside_allowed(logits: torch.Tensor, tokens: torch.Tensor, broken:
     return tokens
 
 
-def _only_scaled(row: SamplingRow, vocab: int) -> bool:
-    """Whether ``row`` draws from its logits scaled by a temperature and nothing else (no edits, no top-k, top-p or
-    min-p), or greedily."""
-    params = row.params
-    return (not (params.edits_logits or row.suppressed_token_ids or row.grammar is not None)
-            and (params.greedy or (not 0 < params.top_k < vocab and params.top_p >= 1 and params.min_p <= 0)))
-
-
-def _compiled_draws(logits: torch.Tensor, rows: list[SamplingRow], compiled: ModuleType) -> torch.Tensor:
-    """The tokens of rows that only scale their logits (``_only_scaled``), by the CPU's compiled sampler: what
-    ``sample``'s torch ops choose, from the same one draw per random row of its generator."""
+def _compiled_draws(work: torch.Tensor, rows: list[SamplingRow], compiled: ModuleType) -> torch.Tensor:
+    """One token per row of ``work`` (the logits after their edits) by the CPU's compiled sampler: what the torch ops
+    below choose, from the same one draw per random row of its generator."""
+    vocab = work.shape[-1]
     uniforms = [-1.0 if row.params.greedy else  # the kernel's mark of a greedy row
                 torch.rand((), generator=row.generator, device=row.generator.device).item() for row in rows]
-    inverse_t = _row_values([r.params.temperature for r in rows], logits).clamp_(max=FP32.max).reciprocal_()
-    return compiled.sample_tokens(logits.contiguous(), inverse_t,
-                                  torch.tensor(uniforms, dtype=torch.float32, device=logits.device))
+    inverse_t = _row_values([r.params.temperature for r in rows], work).clamp_(max=FP32.max).reciprocal_()
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
+    return compiled.sample_tokens(
+        work.contiguous(), inverse_t, torch.tensor(uniforms, dtype=torch.float32, device=work.device),
+        torch.tensor(top_k, dtype=torch.long, device=work.device), _row_values([r.params.top_p for r in rows], work),
+        _row_values([r.params.min_p for r in rows], work))
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], compiled: ModuleType | None = None) -> list[SampleResult]:
     """One token per row of ``logits [rows, vocab]`` (fp32); logprobs are of the raw model output. ``compiled``: the
-    CPU's compiled kernels, whose sampler draws the tokens of CPU logits when every row only scales them by a
-    temperature (about twenty torch ops over the vocabulary in one pass)."""
-    if (compiled is not None and logits.device.type == "cpu"
-            and all(_only_scaled(row, logits.shape[-1]) for row in rows)):
-        token_ids = _compiled_draws(logits, rows, compiled).tolist()
-        return [SampleResult(token, entry) for token, entry in zip(token_ids, _logprobs(logits, token_ids, rows))]
+    CPU's compiled kernels, whose sampler then draws every row of CPU logits after their edits (a few passes over
+    each row where the torch ops below take about twenty, and a sort of the vocabulary for top-k or top-p)."""
     edited = [i for i, row in enumerate(rows)
               if row.params.edits_logits or row.suppressed_token_ids or row.grammar is not None]
     work = logits.clone() if edited else logits  # keep the raw logits intact for logprobs
@@ -304,18 +296,29 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], compiled: ModuleType |
         if row.suppressed_token_ids:
             work[i, row.suppressed_token_ids] = NEG_INF
     _apply_grammars(work, rows)
+    if compiled is not None and work.device.type == "cpu":
+        tokens = _compiled_draws(work, rows, compiled)
+        if edited:
+            tokens = _fallback_inside_allowed(logits, tokens, ~torch.isfinite(work.amax(dim=-1)), rows, edited)
+    else:
+        tokens = _torch_draws(work, rows, edited, logits)
+    token_ids = tokens.tolist()  # the step's one read-back of sampled tokens
+    return [SampleResult(token, entry) for token, entry in zip(token_ids, _logprobs(logits, token_ids, rows))]
+
+
+def _torch_draws(work: torch.Tensor, rows: list[SamplingRow], edited: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``work`` (the logits after their edits) by torch ops, on any device; ``logits``: the raw
+    ones, for rows that limit their tokens but had every one masked."""
     broken = ~torch.isfinite(work.amax(dim=-1))  # a NaN or +inf logit, or every token masked
     finite = torch.nan_to_num(work, nan=NEG_INF, posinf=NEG_INF, neginf=NEG_INF)
     # greedy rows, and the fallback of degenerate random rows (max's indices are argmax's: the first maximum)
     row_max, tokens = _max_and_first_argmax(finite)
     randomized = [i for i, row in enumerate(rows) if not row.params.greedy]
     if randomized:
-        index = torch.tensor(randomized, dtype=torch.long, device=logits.device)
+        index = torch.tensor(randomized, dtype=torch.long, device=work.device)
         every_row = len(randomized) == len(rows)
         drawn, degenerate = _random_sample(finite if every_row else finite[index],
                                            row_max if every_row else row_max[index], [rows[i] for i in randomized])
         fallback = tokens.index_select(0, index)
         tokens = tokens.index_copy(0, index, torch.where(degenerate | broken[index], fallback, drawn))
-    tokens = _fallback_inside_allowed(logits, tokens, broken, rows, edited)
-    token_ids = tokens.tolist()  # the step's one read-back of sampled tokens
-    return [SampleResult(token, entry) for token, entry in zip(token_ids, _logprobs(logits, token_ids, rows))]
+    return _fallback_inside_allowed(logits, tokens, broken, rows, edited)

@@ -104,39 +104,79 @@ def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_batch(compiled: Module
     assert sample(logits.clone(), batch)[1].token_id == alone
 
 
-def test_the_compiled_sampler_draws_what_the_torch_ops_draw() -> None:
+COMPARED_PARAMS = [  # per row of the comparison below, in turn
+    {"temperature": 0.0}, {"temperature": 0.2}, {"temperature": 0.7}, {"temperature": 1.0}, {"temperature": 2.0},
+    {"temperature": 0.8, "top_p": 0.95}, {"temperature": 1.0, "top_p": 0.5}, {"temperature": 0.8, "top_k": 40},
+    {"temperature": 1.0, "top_k": 2}, {"temperature": 0.8, "min_p": 0.05},
+    {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.01},
+    {"temperature": 1.0, "repetition_penalty": 1.3, "top_p": 0.9}, {"temperature": 1.0, "logit_bias": {5: 30.0}},
+]
+
+
+@pytest.mark.parametrize("scale", [4.0, 12.0], ids=["flat", "peaked"])
+def test_the_compiled_sampler_draws_what_the_torch_ops_draw(scale: float) -> None:
     """The same logits and generators give the same tokens both ways, greedy and random, at temperatures from 0.2
-    to 2, over SmolLM2's vocabulary (sums run in another order, so a draw within rounding of a boundary between two
-    tokens could differ: none among these), rows with masked tokens and a NaN row included."""
+    to 2, with top-k, top-p and min-p, and after logit edits, over SmolLM2's vocabulary, in distributions flat
+    (thousands of tokens in a 0.95 nucleus) and peaked (a few); rows with masked tokens and a NaN row included. Sums
+    run in another order, so a draw or a nucleus within rounding of a boundary between two tokens could differ:
+    none among these."""
     kernels = cpu_kernels()
     assert kernels is not None
-    logits = torch.randn(48, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    logits = torch.randn(3 * len(COMPARED_PARAMS), 49152, generator=torch.Generator().manual_seed(3)) * scale
     logits[1, 1000:40000] = float("-inf")
     logits[2, 7] = float("nan")  # falls back to its finite logits' argmax
-    logits[3, 49151] = 60.0  # the last entry takes nearly all the mass
-    temperatures = [0.0, 0.2, 0.7, 1.0, 1.3, 2.0]
+    logits[3, 49151] = 60.0 * scale  # the last entry takes nearly all the mass
 
     def draw(compiled: ModuleType | None) -> list[int]:
-        batch = [SamplingRow(SamplingParams(temperature=temperatures[i % len(temperatures)]),
-                             torch.Generator().manual_seed(i), [], 0, []) for i in range(logits.shape[0])]
+        batch = [SamplingRow(SamplingParams(**COMPARED_PARAMS[i % len(COMPARED_PARAMS)]),
+                             torch.Generator().manual_seed(i), list(range(i, i + 20)), 10, [])
+                 for i in range(logits.shape[0])]
         return [r.token_id for r in sample(logits, batch, compiled)]
 
     tokens = draw(kernels)
     assert tokens == draw(None)
     assert tokens[2] == int(logits[2].nan_to_num(nan=float("-inf")).argmax()) and tokens[3] == 49151
-    assert len(set(tokens)) > 40  # random draws, not one token
+    assert len(set(tokens)) > len(tokens) // 2  # random draws, not one token
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p", "kept"), [
+    (0, 1.0, 0.0, {0, 1, 2, 3, 4, 5}),
+    (0, 1.0, 0.05, {1, 2, 4, 5}),  # weights below 0.05 of the largest's: 0.03 and 0.04
+    (2, 1.0, 0.0, {1, 4}),
+    (3, 1.0, 0.0, {1, 4, 5}),
+    (0, 0.5, 0.0, {1}),  # the largest alone holds 1 / 1.88 of the mass: past half
+    (0, 0.7, 0.0, {1, 4}),  # 1.0 before the second: below 0.7 * 1.88; 1.5 before the third: past it
+    (0, 0.85, 0.0, {1, 4, 5}),
+    (3, 0.85, 0.3, {1, 4}),
+], ids=["none", "min_p", "top_k 2", "top_k 3", "top_p 0.5", "top_p 0.7", "top_p 0.85", "all three"])
+def test_the_compiled_sampler_draws_only_from_the_tokens_its_filters_keep(
+    top_k: int, top_p: float, min_p: float, kept: set[int],
+) -> None:
+    """Weights 0.03, 1, 0.06, 0.04, 0.5, 0.25 (total 1.88): draws at every thousandth of [0, 1) land on exactly the
+    tokens top-k, top-p and min-p keep (each holds at least 2% of what is kept)."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    rows = 1000
+    logits = torch.tensor([0.03, 1.0, 0.06, 0.04, 0.5, 0.25]).log().expand(rows, -1).contiguous()
+    tokens = kernels.sample_tokens(logits, torch.ones(rows), torch.arange(rows, dtype=torch.float32) / rows,
+                                   torch.full((rows,), top_k), torch.full((rows,), top_p), torch.full((rows,), min_p))
+    assert set(tokens.tolist()) == kept
 
 
 @pytest.mark.parametrize(("change", "message"), [
     (lambda a: a.__setitem__(0, a[0].double()), "logits must be a contiguous 2-D fp32"),
     (lambda a: a.__setitem__(0, a[0].t()), "logits must be a contiguous 2-D fp32"),
-    (lambda a: a.__setitem__(1, a[1][:1]), "inverse_temperatures must hold one fp32 value per row"),
-    (lambda a: a.__setitem__(2, a[2].double()), "uniforms must hold one fp32 value per row"),
-], ids=["fp64", "strided", "temperatures", "uniforms"])
+    (lambda a: a.__setitem__(1, a[1][:1]), "inverse_temperatures must hold one Float value per row"),
+    (lambda a: a.__setitem__(2, a[2].double()), "uniforms must hold one Float value per row"),
+    (lambda a: a.__setitem__(3, a[3].int()), "top_k must hold one Long value per row"),
+    (lambda a: a.__setitem__(4, a[4][:2]), "top_p must hold one Float value per row"),
+    (lambda a: a.__setitem__(5, a[5].view(3, 1)), "min_p must hold one Float value per row"),
+], ids=["fp64", "strided", "temperatures", "uniforms", "top_k", "top_p", "min_p"])
 def test_the_compiled_sampler_names_what_is_wrong(change, message: str) -> None:  # type: ignore[no-untyped-def]
     kernels = cpu_kernels()
     assert kernels is not None
-    arguments = [torch.randn(3, 3), torch.ones(3), torch.rand(3)]
+    arguments = [torch.randn(3, 3), torch.ones(3), torch.rand(3), torch.zeros(3, dtype=torch.long), torch.ones(3),
+                 torch.zeros(3)]
     change(arguments)
     with pytest.raises(RuntimeError, match=message):
         kernels.sample_tokens(*arguments)

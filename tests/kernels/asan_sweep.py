@@ -100,17 +100,22 @@ def check_cache_write(kernels) -> int:  # type: ignore[no-untyped-def]
 
 
 def check_sampler(kernels) -> int:  # type: ignore[no-untyped-def]
-    """sample_tokens over vocabularies off its blocks of 256, with draws at both ends of [0, 1) and greedy rows: every
-    token inside the vocabulary, with weight where drawn, the first maximum where greedy."""
+    """sample_tokens over vocabularies off its blocks of 256, with draws at both ends of [0, 1), greedy rows and rows
+    with top-k, top-p and min-p: every token inside the vocabulary, with weight where drawn, the first maximum where
+    greedy."""
     checked = 0
     for vocab in (1, 5, 255, 256, 257, 3 * 256 + 7):
-        logits = torch.randn(6, vocab) * 3
+        logits = torch.randn(8, vocab) * 3
         logits[1, max(1, vocab // 2):] = float("-inf")  # the tail of the row masked: a top draw must not run into it
-        uniforms = torch.tensor([0.0, 1 - 2**-24, 0.5, -1.0, 1 - 2**-24, -1.0])  # -1: greedy
-        tokens = kernels.sample_tokens(logits, torch.ones(6), uniforms)
+        uniforms = torch.tensor([0.0, 1 - 2**-24, 0.5, -1.0, 1 - 2**-24, -1.0, 1 - 2**-24, 0.3])  # -1: greedy
+        top_k = torch.tensor([0, 0, 0, 0, 3, 0, 1, 0])
+        top_p = torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 0.9, 0.01])
+        min_p = torch.tensor([0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.2, 0.5])
+        tokens = kernels.sample_tokens(logits, torch.ones(8), uniforms, top_k, top_p, min_p)
         assert ((tokens >= 0) & (tokens < vocab)).all(), ("sample_tokens", vocab, tokens)
-        assert all(logits[row, tokens[row]] > float("-inf") for row in range(6)), ("sample_tokens", vocab)
-        assert tokens[3] == logits[3].argmax() and tokens[5] == logits[5].argmax(), ("sample_tokens", vocab)
+        assert all(logits[row, tokens[row]] > float("-inf") for row in range(8)), ("sample_tokens", vocab)
+        for row in (3, 5, 6, 7):  # greedy, or a nucleus of one token (top-k 1; top-p 0.01)
+            assert tokens[row] == logits[row].argmax(), ("sample_tokens", vocab, row)
         checked += 1
     return checked
 
