@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cpu_decode, latency, linear_layers, sharing, structured, throughput
+from benchmarks import cpu_decode, latency, linear_layers, sampler, sharing, structured, throughput
 from engine.models import cpu_packing
 
 
@@ -117,3 +117,23 @@ def test_linear_layers_times_every_layout_against_the_baseline(tiny_model_dir: P
 def test_linear_layers_refuses_a_baseline_the_machine_lacks(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--baseline must be one of"):
         linear_layers.main(["--model", str(tiny_model_dir), "--baseline", "nope", "--out", str(tmp_path)])
+
+
+def test_sampler_times_both_ways_and_compares_their_tokens(tmp_path: Path) -> None:
+    sampler.main(["--rows", "1", "3", "--params", "temperature 1", "top-p 0.95", "--vocab", "600", "--repeats", "2",
+                  "--out", str(tmp_path)])
+    payload = _written(tmp_path, "sampler")
+    assert [(r["rows"], r["params"]) for r in payload["results"]] == [
+        (1, "temperature 1"), (1, "top-p 0.95"), (3, "temperature 1"), (3, "top-p 0.95")]
+    for result in payload["results"]:
+        assert result["torch_ms"] > 0 and result["compiled_ms"] > 0 and result["same_tokens"] is True
+        assert result["compiled_over_torch"] == pytest.approx(result["compiled_ms"] / result["torch_ms"])
+
+
+@pytest.mark.parametrize(("flags", "named"), [(["--rows", "0"], "--rows"), (["--vocab", "0"], "--vocab"),
+                                              (["--scale", "0"], "--scale"), (["--params", "nucleus"], "--params")])
+def test_sampler_refuses_bad_arguments_naming_the_flag(flags: list[str], named: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        sampler.main(flags)
+    assert named in capsys.readouterr().err
