@@ -139,6 +139,7 @@ torch::Tensor bf16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
               "bf16_linear: bias must be empty or ", out_features, " contiguous fp32 CPU values");
 #if defined(__AVX512BF16__)
   // rows read as bf16 pairs: an odd width gets a zero column (its weights' padding is zero too)
+  ReleasedGil released_gil;
   const auto x = in_features % 2 == 0 ? input.contiguous() : torch::constant_pad_nd(input, {0, 1});
   auto out = torch::empty({rows, out_features}, input.options());
   const at::BFloat16* xs = x.data_ptr<at::BFloat16>();

@@ -67,6 +67,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                   "the model's dtype");
     }
   }
+  // the whole step without the GIL (the kernels it calls find it released)
+  ReleasedGil released_gil;
   const int64_t tokens = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const Linears linear{linear_tensors, linear_shapes};
   torch::Tensor residual = hidden;

@@ -162,6 +162,7 @@ torch::Tensor fp16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
                                                                bias.numel() == out_features && bias.is_contiguous())),
               "fp16_linear: bias must be empty or ", out_features, " contiguous fp32 CPU values");
 #if defined(PAGEDSERVE_FP16_LINEAR)
+  ReleasedGil released_gil;
   const auto x = input.contiguous();
   auto out = torch::empty({rows, out_features}, input.options());
   const float* xs = x.data_ptr<float>();

@@ -226,6 +226,7 @@ torch::Tensor int8_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
                          out_features, kBlockOutputs, kChunk);
   const int64_t in = in_features, rows = input.size(0), blocks = blocks_of(out_features), groups = groups_of(in);
   const int64_t stride = groups * kGroup;  // the rows in fp32, zero-padded to whole groups; read from cache
+  ReleasedGil released_gil;
   const auto x = stride == in ? input.to(at::kFloat).contiguous()
                               : torch::constant_pad_nd(input.to(at::kFloat), {0, stride - in});
   auto out = torch::empty({rows, out_features}, input.options());

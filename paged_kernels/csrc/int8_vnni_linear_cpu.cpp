@@ -125,6 +125,7 @@ torch::Tensor int8_vnni_linear(torch::Tensor input, torch::Tensor packed, torch:
                          in_features, out_features, kBlockOutputs, 2);
   const int64_t in = in_features, rows = input.size(0), blocks = blocks_of(out_features), groups = groups_of(in);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  ReleasedGil released_gil;
   const auto x = input.contiguous();
   auto out = torch::empty({rows, out_features}, input.options());
   const int64_t stride = groups * kPairsPerGroup;  // int16 pairs per quantized row

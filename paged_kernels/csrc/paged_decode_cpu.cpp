@@ -348,6 +348,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
   if (query.stride(2) != 1 || query.stride(1) != query.size(2)) query = query.contiguous();
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
+  ReleasedGil released_gil;
   auto out = torch::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     decode_rows<scalar_t>(query.data_ptr<scalar_t>(), query.stride(0), key_cache.data_ptr<scalar_t>(),

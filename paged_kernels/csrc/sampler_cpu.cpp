@@ -206,6 +206,7 @@ torch::Tensor sample_tokens(torch::Tensor logits, torch::Tensor inverse_temperat
                     tensor->scalar_type() == dtype && tensor->is_contiguous(),
                 "sample_tokens: ", name, " must hold one ", c10::toString(dtype), " value per row of logits");
   }
+  ReleasedGil released_gil;
   auto tokens = torch::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();

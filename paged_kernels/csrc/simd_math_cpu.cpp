@@ -3,6 +3,7 @@
 // unit paged_kernels/cpu_extension.py builds: the exponential for the decode softmax and the SiLU, the conversions for
 // every bf16 row the kernels read or write.
 #include <c10/util/BFloat16.h>
+#include <Python.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +12,22 @@
 #include <type_traits>
 
 namespace {
+
+// Held by a kernel from its argument checks to its return: the process's other Python threads (a service's token
+// publishing, its HTTP handlers) run meanwhile, where they would wait out the call. No kernel touches a Python object.
+// Releases only a GIL the thread holds, so that kernels calling kernels (decode_layers) nest.
+class ReleasedGil {
+ public:
+  ReleasedGil() : state_(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~ReleasedGil() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  ReleasedGil(const ReleasedGil&) = delete;
+  ReleasedGil& operator=(const ReleasedGil&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
 
 // e^x for x <= 0 (a score minus its row's maximum; -|x| in a sigmoid) within a few ulp: 2^n * p(r),
 // x = n ln2 + r (Cephes' expf); exactly 0 below -87, where 2^n would leave the normal floats (e^-87 is 1.6e-38).
