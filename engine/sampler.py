@@ -6,9 +6,9 @@ Numerically safe: NaN and +inf never reach a softmax, and a row whose distributi
 returned lies in ``[0, vocab)``. Every tensor is made on ``logits.device``.
 
 On the CPU the draws after the logit edits are the compiled kernels' (``paged_kernels/csrc/sampler_cpu.cpp``), to the
-same tokens: over SmolLM2's 49,152 tokens on a 2-vCPU Zen 3 the torch ops took 0.55 ms at one row, 3.6 ms at 16 and
-15.8 ms at 64 with a temperature alone, the kernel 0.09, 0.47 and 1.9 ms; with top-p or top-k, whose torch path sorts
-the vocabulary, 8-10 ms a row.
+same tokens: over SmolLM2's 49,152 tokens on a 2-vCPU Zen 3 the torch ops took 0.57 ms at one row, 3.8 ms at 16 and
+5.0 ms at 64 with a temperature alone, the kernel 0.13, 0.56 and 1.9 ms; with top-p, whose torch path sorts the
+vocabulary, 5.3 ms at one row and 179 ms at 64, the kernel 0.29 and 5.8 ms (``benchmarks.sampler``).
 """
 
 from __future__ import annotations
