@@ -4,8 +4,8 @@ No maintained library ships a paged decode attention, fused norms, rotary embedd
 or fp16-weight linear that reads at memory speed, a loop over a decode step's layers or a one-pass sampler, for
 torch's CPU build (vLLM's and IPEX's are tied to their own builds and torch versions; torch's own ``rms_norm`` is
 composed of the same five ops on the CPU), so these are ours: a few hundred lines of C++ that torch compiles with the
-machine's compiler into its extension cache (``TORCH_EXTENSIONS_DIR``) on first use, and that later processes load
-from there. ``None`` where it cannot be built; callers then stay on plain torch.
+machine's compiler into its extension cache (``TORCH_EXTENSIONS_DIR``) on first use, and that later processes
+load from that cache. ``None`` where it cannot be built; callers then stay on plain torch.
 """
 
 from __future__ import annotations
