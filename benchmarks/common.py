@@ -39,6 +39,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
 
 
+def require_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int, *names: str) -> None:
+    """Refuse, naming the flag, any of ``names`` (argparse destinations; a list checks each value) below ``minimum``."""
+    for name in names:
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < minimum:
+            parser.error(f"--{name.replace('_', '-')} must be >= {minimum}")
+
+
 def kv_cache_bytes(model: str, num_tokens: int, block_size: int, dtype: str) -> int:
     """Bytes of a KV cache holding ``num_tokens`` token slots (whole blocks) of ``model``."""
     from transformers import AutoConfig

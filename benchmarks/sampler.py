@@ -20,7 +20,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, save_with_legend, write_json
+from benchmarks.common import (
+    RESULTS_DIR,
+    machine,
+    new_figure,
+    print_table,
+    require_at_least,
+    save_with_legend,
+    write_json,
+)
 from engine.sampler import SamplingRow, sample
 from engine.sampling_params import SamplingParams
 from paged_kernels.cpu_extension import cpu_kernels
@@ -46,11 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="sampler")
     args = parser.parse_args(argv)
-    if min(args.rows) < 1:
-        parser.error("--rows must be >= 1")
-    for name in ("vocab", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
+    require_at_least(parser, args, 1, "rows", "vocab", "repeats")
     if args.scale <= 0:
         parser.error("--scale must be > 0")
     return args
