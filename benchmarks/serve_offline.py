@@ -12,7 +12,6 @@ CPU) keeps of the engine's throughput.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import time
 from typing import Any
@@ -65,11 +64,9 @@ def run(model: str, pagedserve_flags: list[str], workload: Workload, concurrency
         outputs = llm.generate(prompts(workload, llm.engine.model.config.vocab_size), params, use_tqdm=False)
         duration_s = time.perf_counter() - started
     finally:
-        # the engine's objects refer to each other: without a collection now, each concurrency's engine (its KV
-        # cache sized from the memory free at its start) outlived its run, and an int8_weight_only run of three
-        # held 19 GB when `pagedserve up` started beside it (killed for memory on a 24 GB host)
+        # free the engine, whose KV cache was sized from the memory free at its start, before the next one starts,
+        # even when this run raised (its traceback would hold it)
         del llm
-        gc.collect()
     output_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
     return {
         "requests_successful": len(outputs), "requests_failed": 0, "duration_s": duration_s,

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -124,29 +125,36 @@ def _caught_up(group: SequenceGroup) -> bool:
     return all(seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens <= 1 for seq in group.unfinished_seqs)
 
 
+class StepFunctions(NamedTuple):
+    """The two halves of an engine step, which the isolator may call more than once while isolating."""
+
+    schedule: Callable[[], SchedulerOutput]  # picks the step's work and moves its blocks
+    execute: Callable[[SchedulerOutput], None]  # runs the model, samples and updates the scheduler and requests
+
+
 class FaultIsolator:
     """Runs engine steps so that a request whose step raises fails alone, with the error on it."""
 
-    def __init__(
-        self, scheduler: Scheduler, schedule: Callable[[], SchedulerOutput],
-        execute: Callable[[SchedulerOutput], None],
-    ) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.schedule = schedule  # picks the step's work and moves its blocks
-        self.execute = execute  # runs the model, samples and updates the scheduler and requests
         self.num_failed_requests = 0
 
-    def step(self) -> list[SequenceGroup]:
-        """One engine step (more while isolating a fault); the requests it touched."""
+    def step(self, engine: StepFunctions) -> list[SequenceGroup]:
+        """One engine step (more while isolating a fault); the requests it touched.
+
+        The step functions come with each call rather than at construction: the engine holds this
+        isolator, and a reference back would keep the engine, and its KV cache, alive until a cyclic
+        garbage collection.
+        """
         touched: dict[int, SequenceGroup] = {}
-        error = self._try(self.schedule(), touched)
+        error = self._try(engine, engine.schedule(), touched)
         if error is not None:
             suspects = list(touched.values())
             logger.warning("engine step failed with %d requests in it (%r); isolating", len(suspects), error)
-            self._isolate(suspects, error, touched)
+            self._isolate(engine, suspects, error, touched)
         return list(touched.values())
 
-    def _try(self, out: SchedulerOutput, touched: dict[int, SequenceGroup]) -> Exception | None:
+    def _try(self, engine: StepFunctions, out: SchedulerOutput, touched: dict[int, SequenceGroup]) -> Exception | None:
         """Run one step; on an exception, roll its requests back and return it."""
         groups = _groups_of(out.scheduled)
         touched.update((id(g), g) for g in groups)
@@ -154,31 +162,36 @@ class FaultIsolator:
             return None
         checkpoint = StepCheckpoint.capture(groups)
         try:
-            self.execute(out)
+            engine.execute(out)
         except Exception as exc:  # whatever a request makes the model or sampler raise
             checkpoint.roll_back(self.scheduler)
             return exc
         return None
 
-    def _isolate(self, suspects: list[SequenceGroup], error: Exception, touched: dict[int, SequenceGroup]) -> None:
+    def _isolate(
+        self, engine: StepFunctions, suspects: list[SequenceGroup], error: Exception,
+        touched: dict[int, SequenceGroup],
+    ) -> None:
         """``suspects`` raised ``error`` together: fail them if alone, else probe each half."""
         if len(suspects) == 1:
             self._fail(suspects[0], error)
             return
         half = len(suspects) // 2
         for part in (suspects[:half], suspects[half:]):
-            part_error = self._probe(part, touched)
+            part_error = self._probe(engine, part, touched)
             if part_error is not None:
-                self._isolate(part, part_error, touched)
+                self._isolate(engine, part, part_error, touched)
 
-    def _probe(self, groups: list[SequenceGroup], touched: dict[int, SequenceGroup]) -> Exception | None:
+    def _probe(
+        self, engine: StepFunctions, groups: list[SequenceGroup], touched: dict[int, SequenceGroup],
+    ) -> Exception | None:
         """Step ``groups`` alone until each has caught up; the error if a step of theirs raised."""
         with self.scheduler.restricted_to(groups):
             while not all(_caught_up(group) for group in groups):
-                out = self.schedule()
+                out = engine.schedule()
                 if out.is_empty:  # no room to run them alone: no evidence, they run as usual later
                     return None
-                error = self._try(out, touched)
+                error = self._try(engine, out, touched)
                 if error is not None:
                     return error
         return None

@@ -16,7 +16,7 @@ from engine.cache_engine import CacheEngine, blocks_in_budget, default_kv_cache_
 from engine.config import EngineConfig, resolve_dtype
 from engine.cuda_graphs import capture_decode_graphs, uses_cuda_graphs
 from engine.detokenizer import start_offsets
-from engine.fault_isolation import FaultIsolator
+from engine.fault_isolation import FaultIsolator, StepFunctions
 from engine.kernel_warmup import compile_attention_kernels
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner
@@ -99,7 +99,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.groups = self.output_processor.groups  # live requests by id
-        self.isolator = FaultIsolator(self.scheduler, self._schedule, self._run)
+        self.isolator = FaultIsolator(self.scheduler)
         # called with every step's SchedulerOutput, right after scheduling (benchmarks sample the cache here)
         self.step_observers: list[StepObserver] = []
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -199,7 +199,7 @@ class LLMEngine:
         """Schedule → run → update → output: the outputs of the requests that changed (aborted ones included).
         A request that makes the step raise fails alone (finish_reason "error"); the others go on."""
         touched, self._aborted = self._aborted, []
-        touched += self.isolator.step()  # calls _schedule and _run, more than once while isolating a fault
+        touched += self.isolator.step(StepFunctions(self._schedule, self._run))  # more than once while isolating
         return self.output_processor.make_outputs(touched)
 
     def _schedule(self) -> SchedulerOutput:
