@@ -1,5 +1,5 @@
-"""Logits → next tokens: penalties, logit bias, allowed tokens, min-token suppression, temperature, top-k/p, min-p,
-logprobs.
+"""Logits → next tokens: penalties, logit bias, allowed tokens, min-token suppression, temperature, then vLLM's
+order of filters (min-p, top-k, and top-p over what those two kept, renormalized), logprobs.
 
 Numerically safe: NaN and +inf never reach a softmax, and a row whose distribution is degenerate
 (NaN or +inf logits, every token masked) takes the arg-max of its finite logits, so every token
@@ -107,14 +107,14 @@ def apply_bias_and_allowed(logits: torch.Tensor, edits: LogitEdits) -> None:
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what lies outside each row's top-k and top-p nucleus."""
+    """Mask to -inf what lies outside each row's top-k, then outside the top-p nucleus of the tokens top-k kept (their
+    probabilities renormalized, as vLLM and transformers compute it)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = ranks >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], NEG_INF)
     probs = sorted_logits.softmax(dim=-1)
     # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
+    sorted_logits = sorted_logits.masked_fill((probs.cumsum(dim=-1) - probs) >= top_p[:, None], NEG_INF)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
@@ -140,14 +140,15 @@ def _random_sample(
     # row is shifted by 0 and stays -inf; temperature inf would give -inf/inf, so it is clamped
     inverse_t = _row_values([r.params.temperature for r in rows], finite).clamp_(max=FP32.max).reciprocal_()[:, None]
     logits = (finite - torch.where(empty, 0.0, row_max[:, None])).mul_(inverse_t)
+    # vLLM's order: min-p, then top-k, then top-p over what those two kept, renormalized
+    min_p = [r.params.min_p for r in rows]
+    if any(p > 0 for p in min_p):
+        logits = _filter_min_p(logits, _row_values(min_p, finite))
     top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
         top_k_tensor = torch.tensor(top_k, dtype=torch.long, device=finite.device)
         logits = _filter_top_k_top_p(logits, top_k_tensor, _row_values(top_p, finite))
-    min_p = [r.params.min_p for r in rows]
-    if any(p > 0 for p in min_p):
-        logits = _filter_min_p(logits, _row_values(min_p, finite))
     tokens, total = _inverse_cdf_sample(logits.exp_(), rows)  # logits is this function's own tensor
     return tokens, empty[:, 0] | ~torch.isfinite(total) | (total <= 0)
 

@@ -102,10 +102,11 @@ float block_totals(const float* w, int64_t vocab, std::vector<float>& block_sums
   return total;
 }
 
-// the weights w (in [0, 1], the maximum's 1) zeroed outside the row's top-k / top-p nucleus: the largest weights in
-// descending order (ties by index) while fewer than top_k come before and the mass before stays below top_p times
-// the total (the first always kept), as engine/sampler.py's sort does. Only the largest weights are sorted: those
-// of the powers of two that hold the first top_k tokens or top_p of the mass
+// the weights w (in [0, 1], the maximum's 1; `total`: their sum) zeroed outside the row's top-k, then outside the
+// top-p nucleus of what top-k kept: the largest weights in descending order (ties by index) while fewer than top_k
+// come before and the mass before stays below top_p times the top_k largest weights' mass (the first always kept),
+// as engine/sampler.py's sort does (and vLLM). Only the largest weights are sorted: those of the powers of two that
+// hold the first top_k tokens or, without top-k, top_p of the mass
 void keep_nucleus(float* w, int64_t vocab, float total, int64_t top_k, float top_p, std::vector<int32_t>& order,
                   std::vector<float>& kept) {
   constexpr int kBuckets = 128;  // bucket e: weights in [2^-e, 2^(1-e)), by their exponent bits (0: exactly 1)
@@ -120,11 +121,11 @@ void keep_nucleus(float* w, int64_t vocab, float total, int64_t top_k, float top
       ++count[bucket(w[i])];
     }
   }
-  const float needed = top_p < 1.f ? top_p * total : std::numeric_limits<float>::infinity();
+  float needed = top_p < 1.f ? top_p * total : std::numeric_limits<float>::infinity();
   int last = 0;  // the last bucket whose weights can be kept
   float cumulative_mass = mass[0];
   int64_t cumulative_count = count[0];
-  while (last < kBuckets - 1 && (top_k <= 0 || cumulative_count < top_k) && cumulative_mass < needed) {
+  while (last < kBuckets - 1 && (top_k > 0 ? cumulative_count < top_k : cumulative_mass < needed)) {
     ++last;
     cumulative_mass += mass[last];
     cumulative_count += count[last];
@@ -134,6 +135,11 @@ void keep_nucleus(float* w, int64_t vocab, float total, int64_t top_k, float top
     if (w[i] > 0.f && bucket(w[i]) <= last) order.push_back(static_cast<int32_t>(i));
   }
   std::sort(order.begin(), order.end(), [w](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
+  if (top_k > 0 && top_p < 1.f) {  // the nucleus of the top_k largest: top_p of their mass
+    float top_k_mass = 0.f;
+    for (int64_t rank = 0; rank < std::min<int64_t>(top_k, order.size()); ++rank) top_k_mass += w[order[rank]];
+    needed = top_p * top_k_mass;
+  }
   kept.clear();
   float before = 0.f;
   for (const int32_t i : order) {
@@ -154,18 +160,19 @@ int64_t draw(const float* x, int64_t vocab, float top, const RowParams& params, 
   const float inverse_temperature = params.inverse_temperature;
 #pragma omp simd
   for (int64_t i = 0; i < vocab; ++i) w[i] = exp_nonpositive((x[i] - top) * inverse_temperature);
-  float total = block_totals(w, vocab, block_sums);
-  if (!(total > 0.f) || !std::isfinite(total)) return -1;
-  const bool limit_k = params.top_k > 0 && params.top_k < vocab;
-  if (limit_k || params.top_p < 1.f) {
-    keep_nucleus(w, vocab, total, limit_k ? params.top_k : 0, params.top_p, order, kept);
-  }
+  // vLLM's order: min-p, then top-k, then top-p over what those two kept
   if (params.min_p > 0.f) {  // a probability below min_p times the largest's: a weight below min_p (the largest is 1)
     const float min_p = params.min_p;
 #pragma omp simd
     for (int64_t i = 0; i < vocab; ++i) w[i] = w[i] < min_p ? 0.f : w[i];
   }
-  if (limit_k || params.top_p < 1.f || params.min_p > 0.f) total = block_totals(w, vocab, block_sums);
+  float total = block_totals(w, vocab, block_sums);
+  if (!(total > 0.f) || !std::isfinite(total)) return -1;
+  const bool limit_k = params.top_k > 0 && params.top_k < vocab;
+  if (limit_k || params.top_p < 1.f) {
+    keep_nucleus(w, vocab, total, limit_k ? params.top_k : 0, params.top_p, order, kept);
+    total = block_totals(w, vocab, block_sums);
+  }
   if (!(total > 0.f) || !std::isfinite(total)) return -1;
   // strictly below the total, so the block found has weight; strictly below that block's own total, so the token
   // found has weight too (cumulative sums that never fall, as they add weights >= 0)

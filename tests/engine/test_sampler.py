@@ -96,6 +96,23 @@ def test_top_k_and_top_p_sampling_stays_inside_the_kept_set(compiled: ModuleType
     assert unlimited[0] == unlimited[1] and set(unlimited[0]) == {0, 1, 2, 3, 4}
 
 
+@pytest.mark.parametrize(("params", "kept"), [
+    ({"top_k": 3}, {1, 4, 5}),
+    ({"top_p": 0.85}, {1, 4, 5}),
+    ({"top_k": 3, "top_p": 0.85}, {1, 4}),
+    ({"min_p": 0.2, "top_p": 0.85}, {1, 4}),
+], ids=["top_k", "top_p", "top_k then top_p", "min_p then top_p"])
+def test_top_p_takes_its_nucleus_of_what_top_k_and_min_p_kept_as_vllm_does(
+    params: dict[str, float], kept: set[int], compiled: ModuleType | None,
+) -> None:
+    """vLLM applies min-p, then top-k, then top-p to the probabilities of what is left, renormalized. Weights 0.03, 1,
+    0.06, 0.04, 0.5, 0.25 (total 1.88): top-p 0.85 of the whole keeps the third largest (1.5 before it, below 1.598);
+    of the top 3's mass, or of what min-p 0.2 kept (1.75 either way), it drops it (1.5 is past 1.4875)."""
+    logits = torch.tensor([0.03, 1.0, 0.06, 0.04, 0.5, 0.25]).log().expand(400, -1).contiguous()
+    drawn = {r.token_id for r in sample(logits, rows(400, seed=11, temperature=1.0, **params), compiled)}
+    assert drawn == kept
+
+
 def test_a_seeded_row_draws_the_same_tokens_alone_or_in_a_batch(compiled: ModuleType | None) -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     alone = sample(logits[1:2].clone(), rows(1, seed=11, temperature=1.0), compiled)[0].token_id
@@ -146,9 +163,12 @@ def test_the_compiled_sampler_draws_what_the_torch_ops_draw(scale: float) -> Non
     (3, 1.0, 0.0, {1, 4, 5}),
     (0, 0.5, 0.0, {1}),  # the largest alone holds 1 / 1.88 of the mass: past half
     (0, 0.7, 0.0, {1, 4}),  # 1.0 before the second: below 0.7 * 1.88; 1.5 before the third: past it
-    (0, 0.85, 0.0, {1, 4, 5}),
+    (0, 0.85, 0.0, {1, 4, 5}),  # 1.5 before the third: below 0.85 * 1.88
+    (3, 0.85, 0.0, {1, 4}),  # top-p of the top 3's mass (1.75): 1.5 is past 0.85 * 1.75
+    (0, 0.85, 0.2, {1, 4}),  # top-p of what min-p kept (1.75 again)
     (3, 0.85, 0.3, {1, 4}),
-], ids=["none", "min_p", "top_k 2", "top_k 3", "top_p 0.5", "top_p 0.7", "top_p 0.85", "all three"])
+], ids=["none", "min_p", "top_k 2", "top_k 3", "top_p 0.5", "top_p 0.7", "top_p 0.85", "top_k then top_p",
+        "min_p then top_p", "all three"])
 def test_the_compiled_sampler_draws_only_from_the_tokens_its_filters_keep(
     top_k: int, top_p: float, min_p: float, kept: set[int],
 ) -> None:
