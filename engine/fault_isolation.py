@@ -139,7 +139,7 @@ class FaultIsolator:
         self.scheduler = scheduler
         self.num_failed_requests = 0
 
-    def step(self, engine: StepFunctions) -> list[SequenceGroup]:
+    def step(self, steps: StepFunctions) -> list[SequenceGroup]:
         """One engine step (more while isolating a fault); the requests it touched.
 
         The step functions come with each call rather than at construction: the engine holds this
@@ -147,14 +147,14 @@ class FaultIsolator:
         garbage collection.
         """
         touched: dict[int, SequenceGroup] = {}
-        error = self._try(engine, engine.schedule(), touched)
+        error = self._try(steps, steps.schedule(), touched)
         if error is not None:
             suspects = list(touched.values())
             logger.warning("engine step failed with %d requests in it (%r); isolating", len(suspects), error)
-            self._isolate(engine, suspects, error, touched)
+            self._isolate(steps, suspects, error, touched)
         return list(touched.values())
 
-    def _try(self, engine: StepFunctions, out: SchedulerOutput, touched: dict[int, SequenceGroup]) -> Exception | None:
+    def _try(self, steps: StepFunctions, out: SchedulerOutput, touched: dict[int, SequenceGroup]) -> Exception | None:
         """Run one step; on an exception, roll its requests back and return it."""
         groups = _groups_of(out.scheduled)
         touched.update((id(g), g) for g in groups)
@@ -162,14 +162,14 @@ class FaultIsolator:
             return None
         checkpoint = StepCheckpoint.capture(groups)
         try:
-            engine.execute(out)
+            steps.execute(out)
         except Exception as exc:  # whatever a request makes the model or sampler raise
             checkpoint.roll_back(self.scheduler)
             return exc
         return None
 
     def _isolate(
-        self, engine: StepFunctions, suspects: list[SequenceGroup], error: Exception,
+        self, steps: StepFunctions, suspects: list[SequenceGroup], error: Exception,
         touched: dict[int, SequenceGroup],
     ) -> None:
         """``suspects`` raised ``error`` together: fail them if alone, else probe each half."""
@@ -178,20 +178,20 @@ class FaultIsolator:
             return
         half = len(suspects) // 2
         for part in (suspects[:half], suspects[half:]):
-            part_error = self._probe(engine, part, touched)
+            part_error = self._probe(steps, part, touched)
             if part_error is not None:
-                self._isolate(engine, part, part_error, touched)
+                self._isolate(steps, part, part_error, touched)
 
     def _probe(
-        self, engine: StepFunctions, groups: list[SequenceGroup], touched: dict[int, SequenceGroup],
+        self, steps: StepFunctions, groups: list[SequenceGroup], touched: dict[int, SequenceGroup],
     ) -> Exception | None:
         """Step ``groups`` alone until each has caught up; the error if a step of theirs raised."""
         with self.scheduler.restricted_to(groups):
             while not all(_caught_up(group) for group in groups):
-                out = engine.schedule()
+                out = steps.schedule()
                 if out.is_empty:  # no room to run them alone: no evidence, they run as usual later
                     return None
-                error = self._try(engine, out, touched)
+                error = self._try(steps, out, touched)
                 if error is not None:
                     return error
         return None

@@ -1,7 +1,7 @@
 // The sampler's draw on the CPU (engine/sampler.py, after its logit edits) in a few passes over each row instead of
-// about twenty torch ops over the whole vocabulary and, with top-k or top-p, a sort of it: 0.57 ms of a SmolLM2 step at
-// one sequence on a 2-vCPU Zen 3 with a temperature alone (0.13 here), 5.3 ms a row with top-p (0.29 here). The same choice as the torch
-// path's: the first maximum of the finite logits for greedy and degenerate rows, else the first token whose
+// about twenty torch ops over the whole vocabulary and, with top-k or top-p, a sort of it: on a 2-vCPU Zen 3, one
+// SmolLM2 row took the torch ops 0.57 ms with a temperature alone and 5.3 ms with top-p, this kernel 0.13 and 0.29
+// ms (benchmarks.sampler). The same choice as the torch path's: the first maximum of the finite logits for greedy and degenerate rows, else the first token whose
 // cumulative weight e^((logit - max) / T), over the tokens top-k, top-p and min-p keep, passes the row's uniform draw
 // times their total, searched over blocks of kScanBlock entries, then inside the block found. Sums run in another
 // order than torch's, so a draw or a nucleus within rounding of a boundary between two tokens may end on the other.
@@ -169,11 +169,10 @@ int64_t draw(const float* x, int64_t vocab, float top, const RowParams& params, 
   float total = block_totals(w, vocab, block_sums);
   if (!(total > 0.f) || !std::isfinite(total)) return -1;
   const bool limit_k = params.top_k > 0 && params.top_k < vocab;
-  if (limit_k || params.top_p < 1.f) {
+  if (limit_k || params.top_p < 1.f) {  // keeps the largest weight at least: the total stays positive and finite
     keep_nucleus(w, vocab, total, limit_k ? params.top_k : 0, params.top_p, order, kept);
     total = block_totals(w, vocab, block_sums);
   }
-  if (!(total > 0.f) || !std::isfinite(total)) return -1;
   // strictly below the total, so the block found has weight; strictly below that block's own total, so the token
   // found has weight too (cumulative sums that never fall, as they add weights >= 0)
   const float target = std::min(params.uniform * total, std::nextafter(total, 0.f));

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -18,13 +19,13 @@ MARGIN_S = 0.01  # a thread switch right before or after the call lands within t
 def ran_during(call: Callable[[], object]) -> tuple[float, int]:
     """Run ``call`` on a second thread while this one counts its own loop iterations; the call's seconds and how many
     iterations fell inside it, more than MARGIN_S from either end."""
-    kernels_window: list[float] = []
+    call_window: list[float] = []
     stamps: list[float] = []
 
     def timed() -> None:
-        kernels_window.append(time.perf_counter())
+        call_window.append(time.perf_counter())
         call()
-        kernels_window.append(time.perf_counter())
+        call_window.append(time.perf_counter())
 
     thread = threading.Thread(target=timed)
     thread.start()
@@ -32,18 +33,18 @@ def ran_during(call: Callable[[], object]) -> tuple[float, int]:
         stamps.append(time.perf_counter())
         time.sleep(0.001)
     thread.join()
-    start, end = kernels_window
+    start, end = call_window
     return end - start, sum(start + MARGIN_S < stamp < end - MARGIN_S for stamp in stamps)
 
 
 @pytest.fixture(scope="module")
-def kernels():  # type: ignore[no-untyped-def]
+def kernels() -> ModuleType:
     built = cpu_kernels()
     assert built is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
     return built
 
 
-def test_the_sampler_kernel_lets_other_threads_run(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_the_sampler_kernel_lets_other_threads_run(kernels: ModuleType) -> None:
     rows, vocab = 4096, 8192
     logits = torch.randn(rows, vocab) * 4
     arguments = (logits, torch.ones(rows), torch.rand(rows), torch.zeros(rows, dtype=torch.long),
@@ -53,7 +54,7 @@ def test_the_sampler_kernel_lets_other_threads_run(kernels) -> None:  # type: ig
     assert inside > 0
 
 
-def test_the_fp16_linear_kernel_lets_other_threads_run(kernels) -> None:  # type: ignore[no-untyped-def]
+def test_the_fp16_linear_kernel_lets_other_threads_run(kernels: ModuleType) -> None:
     if not kernels.has_fp16_linear():
         pytest.skip("the CPU lacks AVX2, F16C or FMA")
     weight = kernels.fp16_pack_weight(torch.randn(4096, 1024).half())
