@@ -29,8 +29,8 @@ SOURCES = [Path(__file__).parent / "csrc" / name
                         "fp16_linear_cpu.cpp", "decode_stack_cpu.cpp", "sampler_cpu.cpp")]
 FUNCTIONS = ["paged_decode", "write_kv_cache_", "rotary_", "add_rms_norm_", "silu_and_mul", "int8_pack_weight",
              "int8_linear", "has_int8_vnni_linear", "int8_vnni_pack_weight", "int8_vnni_linear",
-             "has_bf16_linear", "bf16_pack_weight", "bf16_linear", "has_fp16_linear", "fp16_pack_weight",
-             "fp16_linear", "decode_layers", "sample_tokens"]
+             "has_bf16_linear", "has_amx_bf16_linear", "bf16_pack_weight", "bf16_linear", "has_fp16_linear",
+             "fp16_pack_weight", "fp16_linear", "decode_layers", "sample_tokens"]
 
 
 def extension_name() -> str:

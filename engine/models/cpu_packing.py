@@ -7,13 +7,13 @@ batches, where decode steps live). Packed fp32 is faster than ``F.linear``'s MKL
 AVX-512, 1.3-2× at 8-32 rows on AVX2), but rounds differently from it, so the ``"exact"`` mode, which
 keeps tokens equal to transformers', leaves fp32 on ``F.linear``.
 
-Decode steps at a few rows are bound by reading the weights. Where the CPU has AVX512-BF16 but no AMX tiles, a bf16
-model's layers run our compiled kernel (``paged_kernels/csrc/bf16_linear_cpu.cpp``, ``Bf16Linear``), whose layout is
-read in one sequential pass: SmolLM2's linear layers took 0.47x oneDNN's packed bf16 time at 1 row, 0.41x at 2,
-0.59x at 4, 0.61x at 8, 0.85x at 32 and 0.94x at 128 (``benchmarks.numerics``), and 0.99x at 512 rows (30 distinct
-layers and the head, past the L3), on a 2-vCPU Zen 4. With AMX, oneDNN multiplies many rows in tiles, which the
-kernel does not (not measured there: oneDNN stays). Sums are fp32 in another order than oneDNN's, so bf16 results
-can differ from ``F.linear``'s by rounding.
+Decode steps at a few rows are bound by reading the weights. Where the CPU has AVX512-BF16, a bf16 model's layers
+run our compiled kernel (``paged_kernels/csrc/bf16_linear_cpu.cpp``, ``Bf16Linear``), whose layout is read in one
+sequential pass: SmolLM2's linear layers took 0.47x oneDNN's packed bf16 time at 1 row, 0.41x at 2, 0.59x at 4,
+0.61x at 8, 0.85x at 32 and 0.94x at 128 (``benchmarks.numerics``), and 0.99x at 512 rows (30 distinct layers and
+the head, past the L3), on a 2-vCPU Zen 4. Where the CPU has AMX tiles too, the kernel multiplies in them, as
+oneDNN does; the ratios to oneDNN's time on a 2-vCPU Emerald Rapids are in BENCHMARKS.md. Sums are fp32 in another
+order than oneDNN's, so bf16 results can differ from ``F.linear``'s by rounding.
 
 Decode steps of an fp32 model are bound by reading the weights too, and fp16 weights halve the bytes, while rounding
 each weight to 11 significant bits (bf16 keeps 8). Where the CPU has AVX2, F16C and FMA, an fp32 model's layers run
@@ -36,7 +36,7 @@ from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
 from paged_kernels.cpu_extension import cpu_kernels
-from paged_kernels.cpu_features import cpu_flags, has_amx_for, has_fbgemm_fp16
+from paged_kernels.cpu_features import cpu_flags, has_fbgemm_fp16
 
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_HEAD_MAX_ROWS = 16  # the most rows for which fbgemm's fp16 LM head beat oneDNN's fp32 (see above)
@@ -137,8 +137,9 @@ class RowSplitHead(nn.Module):
 
 
 def bf16_kernel_applies() -> bool:
-    """Whether ``"auto"`` gives a bf16 model our kernel's layers: AVX512-BF16 without AMX, in a build that has it."""
-    if "avx512_bf16" not in cpu_flags() or has_amx_for(torch.bfloat16):
+    """Whether ``"auto"`` gives a bf16 model our kernel's layers: AVX512-BF16 (with or without AMX), in a build that
+    has it."""
+    if "avx512_bf16" not in cpu_flags():
         return False
     kernels = cpu_kernels()
     return kernels is not None and kernels.has_bf16_linear()

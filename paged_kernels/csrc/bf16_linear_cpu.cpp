@@ -3,13 +3,19 @@
 // by reading the weights: oneDNN's packed bf16 read SmolLM2's at 16-23 GB/s inside a step, this kernel at 45-48 on the
 // same 2-vCPU Zen 4 (its ratios to oneDNN per row count are in engine/models/cpu_packing.py). The same
 // layout serves many rows (prefill, large batches): each block of weights stays in L2 while all the rows pass over it,
-// so the model holds one copy of its weights.
+// so the model holds one copy of its weights. Where the CPU also has AMX tiles, rows are multiplied in them at any
+// row count, reading the same layout (AMX's B tiles take pairs of features as vdpbf16ps does).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define BF16_LINEAR_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 // One translation unit with the other kernels (cpu_extension.py): this file's names live in their own namespace.
@@ -59,19 +65,30 @@ void block_pass(const at::BFloat16* x, int64_t stride, const uint16_t* weights, 
   }
 }
 
+// The lanes of the 16 outputs from `output` on that hold one of the `outputs` valid ones (none past the last)
+__mmask16 output_lanes(int64_t output, int64_t outputs) {
+  return static_cast<__mmask16>((1u << std::clamp<int64_t>(outputs - output, 0, 16)) - 1);
+}
+
+// the bias of the lanes' outputs from `first` on (zeros without a bias)
+__m512 bias_lanes(const float* bias, int64_t first, __mmask16 lanes) {
+  return bias != nullptr ? _mm512_maskz_loadu_ps(lanes, bias + first) : _mm512_setzero_ps();
+}
+
+// y[lane] = bf16(sum[lane] + bias[lane]) for the set lanes
+void store_rounded(__m512 sum, __m512 bias, __mmask16 lanes, at::BFloat16* y) {
+  _mm256_mask_storeu_epi16(y, lanes, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, bias)));
+}
+
 // y[r][first + o] = bf16(sums[r][o / 16] + bias) for the pass's `outputs` valid outputs
 template <int64_t R, int64_t V>
 void store_sums(const __m512 (&sums)[R][V], const float* bias, int64_t first, int64_t outputs, at::BFloat16* y,
                 int64_t out_features) {
   for (int64_t v = 0; v < V; ++v) {
-    const int64_t lanes = std::clamp<int64_t>(outputs - v * 16, 0, 16);
+    const __mmask16 lanes = output_lanes(v * 16, outputs);
     if (lanes == 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + first + v * 16) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < R; ++r) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(sums[r][v], b));
-      _mm256_mask_storeu_epi16(y + r * out_features + first + v * 16, mask, (__m256i)rounded);
-    }
+    const __m512 b = bias_lanes(bias, first + v * 16, lanes);
+    for (int64_t r = 0; r < R; ++r) store_rounded(sums[r][v], b, lanes, y + r * out_features + first + v * 16);
   }
 }
 
@@ -101,6 +118,110 @@ void all_rows_through_blocks(int64_t block, int64_t rows, const at::BFloat16* x,
   }
 }
 #endif
+
+#if defined(BF16_LINEAR_AMX)
+// AMX: tiles of 16 rows by 64 bytes. A tile of sums holds 16 rows x 16 outputs (fp32); a tile of rows, 16 rows x 32
+// features; a tile of weights, 16 pairs x 16 outputs, which is half a block's row of pairs (128 bytes), so a block
+// is two such tiles side by side, read at a stride of one block row. Each step multiplies 32 features.
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileFeatures = 32;
+constexpr int64_t kBlockRowBytes = kBlockOutputs * 2 * 2;
+
+// Linux gives a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); the
+// permission holds for every thread of the process. torch's oneDNN asks too: asking again is harmless.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kRequestPermission = 0x1023, kTileData = 18;
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// LDTILECFG's 64 bytes: palette 1, and every tile used here (0-7) 16 rows of 64 bytes
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Tiles 0-3 sum (row tile g, half h) at 2g + h; tiles 4-5 hold row tiles 0-1's features, 6-7 the halves' weights.
+// For G row tiles (rows at x, `x_stride` bf16 apart) through one block of weights (`pairs` pairs, a multiple of 16):
+// sums[16 g + r][o] for the block's 32 outputs o.
+template <int G>
+void amx_block_pass(const at::BFloat16* x, int64_t x_stride, const uint16_t* weights, int64_t pairs,
+                    float (&sums)[2 * kTileRows][kBlockOutputs]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (G == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_bytes = x_stride * 2;
+  for (int64_t pair = 0; pair < pairs; pair += kTileFeatures / 2) {
+    const uint16_t* w = weights + pair * kBlockOutputs * 2;
+    _tile_loadd(6, w, kBlockRowBytes);
+    _tile_loadd(7, w + kTileRows * 2, kBlockRowBytes);
+    _tile_loadd(4, x + 2 * pair, x_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (G == 2) {
+      _tile_loadd(5, x + kTileRows * x_stride + 2 * pair, x_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t sums_bytes = kBlockOutputs * sizeof(float);
+  _tile_stored(0, &sums[0][0], sums_bytes);
+  _tile_stored(1, &sums[0][kTileRows], sums_bytes);
+  if constexpr (G == 2) {
+    _tile_stored(2, &sums[kTileRows][0], sums_bytes);
+    _tile_stored(3, &sums[kTileRows][kTileRows], sums_bytes);
+  }
+}
+
+// y = bf16(x W^T + bias) for `rows` rows at x (padded with rows of zeros to a multiple of 16), features a multiple of
+// 32; each thread takes a run of blocks, and every row passes over a block while it stays in L2
+void amx_linear(const at::BFloat16* x, int64_t rows, int64_t in_features, const uint16_t* w, const float* bias,
+                at::BFloat16* y, int64_t out_features) {
+  const int64_t pairs = in_features / 2, blocks = blocks_of(out_features);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const TileConfig config;
+    _tile_loadconfig(&config);  // the tiles' shapes are the thread's state: set here, released below
+    alignas(64) float sums[2 * kTileRows][kBlockOutputs];
+    for (int64_t block = begin; block < end; ++block) {
+      const uint16_t* weights = w + block * pairs * kBlockOutputs * 2;
+      const int64_t first = block * kBlockOutputs, outputs = std::min(kBlockOutputs, out_features - first);
+      const __mmask16 low = output_lanes(0, outputs), high = output_lanes(kTileRows, outputs);
+      const __m512 bias_low = bias_lanes(bias, first, low), bias_high = bias_lanes(bias, first + kTileRows, high);
+      for (int64_t r0 = 0; r0 < rows; r0 += 2 * kTileRows) {
+        const at::BFloat16* group = x + r0 * in_features;
+        if (rows - r0 > kTileRows) {
+          amx_block_pass<2>(group, in_features, weights, pairs, sums);
+        } else {
+          amx_block_pass<1>(group, in_features, weights, pairs, sums);
+        }
+        for (int64_t r = 0; r < std::min(2 * kTileRows, rows - r0); ++r) {
+          at::BFloat16* row = y + (r0 + r) * out_features + first;
+          store_rounded(_mm512_load_ps(&sums[r][0]), bias_low, low, row);
+          if (high != 0) store_rounded(_mm512_load_ps(&sums[r][kTileRows]), bias_high, high, row + kTileRows);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// whether this build multiplies in AMX tiles (the CPU has AMX-BF16 and Linux lets the process use them)
+bool has_amx_bf16_linear() {
+#if defined(BF16_LINEAR_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 // whether this build has bf16_linear: the CPU (and the compiler) have AVX512-BF16
 bool has_bf16_linear() {
@@ -138,13 +259,25 @@ torch::Tensor bf16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
                                                                bias.numel() == out_features && bias.is_contiguous())),
               "bf16_linear: bias must be empty or ", out_features, " contiguous fp32 CPU values");
 #if defined(__AVX512BF16__)
-  // rows read as bf16 pairs: an odd width gets a zero column (its weights' padding is zero too)
   ReleasedGil released_gil;
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
+#if defined(BF16_LINEAR_AMX)
+  // in AMX tiles, at any row count (even one row padded to a tile's 16 is read from memory faster than by
+  // vdpbf16ps: 0.81-0.85x oneDNN's time at 1-4 rows against 0.94-1.37x, benchmarks.linear_layers on a 2-vCPU
+  // Emerald Rapids); whole steps of features, rows padded with zeros to whole tiles
+  if (rows > 0 && in_features % kTileFeatures == 0 && amx_permitted()) {
+    const int64_t padding = (kTileRows - rows % kTileRows) % kTileRows;
+    const auto x = padding == 0 ? input.contiguous() : torch::constant_pad_nd(input, {0, 0, 0, padding});
+    auto out = torch::empty({rows, out_features}, input.options());
+    amx_linear(x.data_ptr<at::BFloat16>(), rows, in_features, w, b, out.data_ptr<at::BFloat16>(), out_features);
+    return out;
+  }
+#endif
+  // rows read as bf16 pairs: an odd width gets a zero column (its weights' padding is zero too)
   const auto x = in_features % 2 == 0 ? input.contiguous() : torch::constant_pad_nd(input, {0, 1});
   auto out = torch::empty({rows, out_features}, input.options());
   const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
   // each thread takes a run of blocks (pairs of them for many rows): a run stays in L2 while every row passes over it
   if (rows <= kFewRows) {
@@ -174,4 +307,5 @@ torch::Tensor bf16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
 
 using bf16_kernel::bf16_linear;
 using bf16_kernel::bf16_pack_weight;
+using bf16_kernel::has_amx_bf16_linear;
 using bf16_kernel::has_bf16_linear;

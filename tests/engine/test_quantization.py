@@ -171,8 +171,11 @@ def smollm2_exact_greedy(smollm2_dir: Path) -> list[list[int]]:
     [("fp32-packed", 1e-4, 1e-3, 0.9), pytest.param("fp16-weights", 1e-3, 5e-3, 0.9, marks=[
         pytest.mark.fbgemm_fp16, pytest.mark.skipif(not has_fbgemm_fp16(), reason="needs fbgemm's fp16 GEMM")]),
      ("int8", 0.1, 0.35, 0.15),
-     # bf16 (auto's pick on CPUs with fast bf16): measured +0.0013 mean, 0.038 mean |.|, agreement 0.65 on an EPYC
-     ("bf16", 0.01, 0.06, 0.5),
+     # bf16 (auto's pick on CPUs with fast bf16): measured +0.0013 mean, 0.038 mean |.|, agreement 0.65 on an EPYC;
+     # -0.0148 mean, 0.035 mean |.| with our kernel in AMX tiles on an Emerald Rapids (oneDNN's layers there: -0.0036,
+     # 0.038). The mean of one short text swings with rounding: over seven others the kernel's means spread from
+     # -0.0065 to +0.0064 (their mean -0.0006), oneDNN's from -0.0053 to +0.0144
+     ("bf16", 0.02, 0.06, 0.5),
      # int8 weights in groups of 32, bf16 activations, the kernel for every row: measured +0.0022 mean, 0.059 mean |.|,
      # agreement 0.65 (over 32 tokens)
      ("bf16-int8-weight-only", 0.01, 0.08, 0.4)],

@@ -129,3 +129,13 @@ def baseline_kernels() -> ModuleType:
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"the baseline build is x86-64's; this machine is {platform.machine()}")
     return kernels_for("x86-64")
+
+
+@pytest.fixture(scope="session")
+def without_amx_kernels() -> ModuleType:
+    """The CPU kernels built for AVX512-BF16 without AMX (Cooper Lake's): a machine with AMX builds its own kind with
+    -march=native, whose bf16 linear multiplies in tiles, so without this build its tests would never run the
+    AVX512-BF16 path at whole steps of 32 features."""
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags():
+        pytest.skip("the machine's own build has no AMX: it runs the AVX512-BF16 path already")
+    return kernels_for("cooperlake")

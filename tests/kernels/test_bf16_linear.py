@@ -1,25 +1,35 @@
 """The CPU's AVX512-BF16 linear (``bf16_pack_weight`` + ``bf16_linear``) is the fp32-summed product of bf16 rows and
-bf16 weights, rounded to bf16 once, at any row count (both its few-rows and many-rows passes) and any layer shape."""
+bf16 weights, rounded to bf16 once, at any row count (its few-rows and many-rows passes, and its AMX tiles where the
+CPU has them) and any layer shape."""
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 
 import pytest
 import torch
 
 from paged_kernels.cpu_extension import cpu_kernels
-from paged_kernels.cpu_features import cpu_flags
+from paged_kernels.cpu_features import cpu_flags, has_amx_for
 
 AVX512_BF16 = "avx512_bf16" in cpu_flags()
+AMX = has_amx_for(torch.bfloat16) and "amx_tile" in cpu_flags() and sys.platform == "linux"
 pytestmark = [pytest.mark.avx512_bf16, pytest.mark.skipif(not AVX512_BF16, reason="needs a CPU with AVX512-BF16")]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> ModuleType:
+@pytest.fixture(scope="module", params=["native", "without-amx"])
+def kernels(request: pytest.FixtureRequest) -> ModuleType:
+    """The machine's own build, which multiplies in AMX tiles where the CPU has them, and where it does, a build for
+    AVX512-BF16 without AMX, so that both of the kernel's paths run here."""
+    if request.param == "without-amx":
+        kernels = request.getfixturevalue("without_amx_kernels")
+        assert kernels.has_bf16_linear() and not kernels.has_amx_bf16_linear()
+        return kernels
     kernels = cpu_kernels()
     assert kernels is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
     assert kernels.has_bf16_linear(), "a CPU with AVX512-BF16 builds bf16_linear"
+    assert kernels.has_amx_bf16_linear() == AMX, "a Linux machine with AMX-BF16 multiplies in its tiles"
     return kernels
 
 
@@ -37,12 +47,13 @@ def assert_rounded_once(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 # shapes off the kernel's blocks (32 outputs, pairs of features): odd widths, a last block of a few outputs, an odd
-# number of blocks (the many-rows pass takes two blocks at a time) and SmolLM2's
-SHAPES = [(1, 2), (5, 37), (67, 100), (96, 33), (192, 576), (576, 1536)]
+# number of blocks (the many-rows pass takes two blocks at a time), widths of whole AMX steps (32 features) with a
+# last block of 8 outputs and of 1, and SmolLM2's
+SHAPES = [(1, 2), (5, 37), (67, 100), (96, 33), (40, 64), (33, 32), (192, 576), (576, 1536)]
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-@pytest.mark.parametrize("num_rows", [1, 2, 5, 12, 13, 19, 40])
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 12, 13, 16, 19, 32, 40, 71])
 def test_bf16_linear_is_the_fp32_summed_product_rounded_once(
     kernels: ModuleType, out_features: int, in_features: int, num_rows: int,
 ) -> None:
