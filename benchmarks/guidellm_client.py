@@ -50,6 +50,10 @@ def command(target: Target, tokenizer_dir: Path, workload: Workload, stream: boo
         # guidellm asks for max_tokens = output_tokens with ignore_eos, so every request makes exactly that many
         "--data", (f"kind=synthetic_text,prompt_tokens={workload.prompt_tokens},"
                    f"output_tokens={workload.output_tokens}"),
+        # guidellm's data worker otherwise prepares 4,096 prompts ahead, whatever the run's count: a synthetic
+        # prompt costs it about 0.8 ms of CPU, so for the first seconds of a run the client takes most of a core
+        # from the server it measures (measured on a 2-vCPU host: 0.7-0.8 cores for about 4 s)
+        "--data-loader", f"kind=pytorch,prefetch_factor={workload.num_requests}",
         "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
         "--output", f"kind=json,path={report_path}",
         "--disable-console",

@@ -77,6 +77,8 @@ def test_guidellm_runs_offline_on_the_fixed_workload_at_the_asked_concurrency(tm
     assert options["--profile"] == "kind=concurrent,streams=32"
     assert options["--constraint"] == "kind=max_requests,count=96"
     assert options["--data"] == "kind=synthetic_text,prompt_tokens=128,output_tokens=64"
+    # the data worker prepares the run's prompts, not guidellm's default 4,096, while the server is measured
+    assert options["--data-loader"] == "kind=pytorch,prefetch_factor=96"
     assert options["--tokenizer"] == f"kind=hf_auto,model={tmp_path}"  # a local folder: nothing downloads
     assert "stream=true" in options["--backend"] and "api_key=psk_x" in options["--backend"]
     environment = guidellm_client.environment(client_processes=1)
