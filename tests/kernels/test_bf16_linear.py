@@ -18,7 +18,7 @@ AMX = has_amx_for(torch.bfloat16) and "amx_tile" in cpu_flags() and sys.platform
 pytestmark = [pytest.mark.avx512_bf16, pytest.mark.skipif(not AVX512_BF16, reason="needs a CPU with AVX512-BF16")]
 
 
-@pytest.fixture(scope="module", params=["native", "without-amx"])
+@pytest.fixture(scope="module", params=["native", pytest.param("without-amx", marks=pytest.mark.x86_builds)])
 def kernels(request: pytest.FixtureRequest) -> ModuleType:
     """The machine's own build, which multiplies in AMX tiles where the CPU has them, and where it does, a build for
     AVX512-BF16 without AMX, so that both of the kernel's paths run here."""
