@@ -39,7 +39,9 @@ _ACTIVATION_ZERO_POINT = 128
 # 10.8 ms with the fp32 one (int8_linear's AVX-512 path) against 5.6 / 5.6 / 6.3 for our bf16 kernel's layers and
 # 6.1 / 6.6 / 9.0 for fbgemm's fp16 weights, the many-rows layers of bf16 and fp32 models there; the AVX2 build
 # (int8_linear's path without AVX-512) took 5.0 / 5.9 / 11.0 ms at 1 / 2 / 4 rows against 8.7 / 8.7 / 9.2 ms for
-# fbgemm's fp16 weights, the many-rows layers of such CPUs.
+# fbgemm's fp16 weights, the many-rows layers of such CPUs. With AMX (a 2-vCPU Emerald Rapids), where our bf16
+# kernel multiplies in tiles: 7.6 / 8.2 / 9.5-9.8 / 10.9 / 12.0-12.5 ms at 1 / 2 / 4 / 6 / 8 rows with the VNNI kernel
+# against 10.0-10.5 ms for the bf16 layers at any of those, so the bound stays there too.
 INT8_KERNEL_MAX_ROWS = 4 if {"avx512_vnni", "avx512bw"} <= cpu_flags() else 1 if "avx512f" in cpu_flags() else 2
 GROUP_SIZE = 32  # weights per scale, as llama.cpp's Q8_0 (SmolLM2 in bf16: mean |log-prob change| 0.054 nats
 # per token from exact fp32 with groups of 32, 0.095 with one scale per row; bf16 alone 0.038)
