@@ -29,6 +29,8 @@ def kernels(request: pytest.FixtureRequest) -> ModuleType:
     kernels = cpu_kernels()
     assert kernels is not None, "the CPU kernels must build here (a C++ compiler and ninja are installed)"
     assert kernels.has_bf16_linear(), "a CPU with AVX512-BF16 builds bf16_linear"
+    # a machine with AMX-BF16 must multiply in its tiles, or these tests would run the AVX512-BF16 path twice; this
+    # fails where the compiler's -march=native lacks AMX (GCC < 11) or Linux refuses the tile state (< 5.16)
     assert kernels.has_amx_bf16_linear() == AMX, "a Linux machine with AMX-BF16 multiplies in its tiles"
     return kernels
 
@@ -48,8 +50,8 @@ def assert_rounded_once(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 # shapes off the kernel's blocks (32 outputs, pairs of features): odd widths, a last block of a few outputs, an odd
 # number of blocks (the many-rows pass takes two blocks at a time), widths of whole AMX steps (32 features) with a
-# last block of 8 outputs and of 1, and SmolLM2's
-SHAPES = [(1, 2), (5, 37), (67, 100), (96, 33), (40, 64), (33, 32), (192, 576), (576, 1536)]
+# last block of 8 outputs, of 1 and of 18 (its second tile of 16 outputs partly used), and SmolLM2's
+SHAPES = [(1, 2), (5, 37), (67, 100), (96, 33), (40, 64), (33, 32), (50, 64), (192, 576), (576, 1536)]
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
