@@ -137,18 +137,26 @@ bool amx_permitted() {
   return permitted;
 }
 
-// LDTILECFG's 64 bytes: palette 1, and every tile used here (0-7) 16 rows of 64 bytes
+// LDTILECFG's 64 bytes: palette 1, and every tile used here (0-7) 64 bytes a row, 16 rows but in the sums and the
+// features of the last row tile of a pass of `row_tiles` (1 or 2), which hold its `last_rows` (1-16): rows are read
+// and written as they are, never padded
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
   uint8_t reserved[14] = {};
   uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+
+  TileConfig(int64_t row_tiles, int64_t last_rows) {
+    const auto last = static_cast<uint8_t>(last_rows);
+    const int sums = 2 * (static_cast<int>(row_tiles) - 1), features = 4 + static_cast<int>(row_tiles) - 1;
+    rows[sums] = rows[sums + 1] = rows[features] = last;
+  }
 };
 
 // Tiles 0-3 sum (row tile g, half h) at 2g + h; tiles 4-5 hold row tiles 0-1's features, 6-7 the halves' weights.
 // For G row tiles (rows at x, `x_stride` bf16 apart) through one block of weights (`pairs` pairs, a multiple of 16):
-// sums[16 g + r][o] for the block's 32 outputs o.
+// sums[16 g + r][o] for the block's 32 outputs o (the rows the loaded shapes give each tile).
 template <int G>
 void amx_block_pass(const at::BFloat16* x, int64_t x_stride, const uint16_t* weights, int64_t pairs,
                     float (&sums)[2 * kTileRows][kBlockOutputs]) {
@@ -181,35 +189,42 @@ void amx_block_pass(const at::BFloat16* x, int64_t x_stride, const uint16_t* wei
   }
 }
 
-// y = bf16(x W^T + bias) for `rows` rows at x (padded with rows of zeros to a multiple of 16), features a multiple of
-// 32; each thread takes a run of blocks, and every row passes over a block while it stays in L2
+// y = bf16(x W^T + bias) for `rows` rows at x, features a multiple of 32; each thread takes a run of blocks, and
+// every row passes over a block while it stays in L2. Passes take 32 rows, the last the rest (its own tile shapes).
 void amx_linear(const at::BFloat16* x, int64_t rows, int64_t in_features, const uint16_t* w, const float* bias,
                 at::BFloat16* y, int64_t out_features) {
   const int64_t pairs = in_features / 2, blocks = blocks_of(out_features);
+  const int64_t whole_passes = rows / (2 * kTileRows), rest = rows % (2 * kTileRows);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const TileConfig config;
-    _tile_loadconfig(&config);  // the tiles' shapes are the thread's state: set here, released below
+    // the tiles' shapes are the thread's state: loaded when they change, released below
+    const TileConfig whole(2, kTileRows), last(rest > kTileRows ? 2 : 1, rest > kTileRows ? rest - kTileRows : rest);
+    const TileConfig* loaded = nullptr;
+    const auto shapes = [&loaded](const TileConfig& config) {
+      if (loaded != &config) _tile_loadconfig(loaded = &config);
+    };
     alignas(64) float sums[2 * kTileRows][kBlockOutputs];
     for (int64_t block = begin; block < end; ++block) {
       const uint16_t* weights = w + block * pairs * kBlockOutputs * 2;
       const int64_t first = block * kBlockOutputs, outputs = std::min(kBlockOutputs, out_features - first);
       const __mmask16 low = output_lanes(0, outputs), high = output_lanes(kTileRows, outputs);
       const __m512 bias_low = bias_lanes(bias, first, low), bias_high = bias_lanes(bias, first + kTileRows, high);
-      for (int64_t r0 = 0; r0 < rows; r0 += 2 * kTileRows) {
-        const at::BFloat16* group = x + r0 * in_features;
-        if (rows - r0 > kTileRows) {
-          amx_block_pass<2>(group, in_features, weights, pairs, sums);
+      for (int64_t pass = 0; pass <= whole_passes; ++pass) {
+        const int64_t r0 = pass * 2 * kTileRows, pass_rows = pass < whole_passes ? 2 * kTileRows : rest;
+        if (pass_rows == 0) break;
+        shapes(pass < whole_passes ? whole : last);
+        if (pass_rows > kTileRows) {
+          amx_block_pass<2>(x + r0 * in_features, in_features, weights, pairs, sums);
         } else {
-          amx_block_pass<1>(group, in_features, weights, pairs, sums);
+          amx_block_pass<1>(x + r0 * in_features, in_features, weights, pairs, sums);
         }
-        for (int64_t r = 0; r < std::min(2 * kTileRows, rows - r0); ++r) {
+        for (int64_t r = 0; r < pass_rows; ++r) {
           at::BFloat16* row = y + (r0 + r) * out_features + first;
           store_rounded(_mm512_load_ps(&sums[r][0]), bias_low, low, row);
           if (high != 0) store_rounded(_mm512_load_ps(&sums[r][kTileRows]), bias_high, high, row + kTileRows);
         }
       }
     }
-    _tile_release();
+    if (loaded != nullptr) _tile_release();
   });
 }
 #endif
@@ -263,12 +278,11 @@ torch::Tensor bf16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
 #if defined(BF16_LINEAR_AMX)
-  // in AMX tiles, at any row count (even one row padded to a tile's 16 is read from memory faster than by
+  // in AMX tiles, at any row count (even one row in a tile of its own is read from memory faster than by
   // vdpbf16ps: 0.81-0.85x oneDNN's time at 1-4 rows against 0.94-1.37x, benchmarks.linear_layers on a 2-vCPU
-  // Emerald Rapids); whole steps of features, rows padded with zeros to whole tiles
+  // Emerald Rapids); whole steps of features
   if (rows > 0 && in_features % kTileFeatures == 0 && amx_permitted()) {
-    const int64_t padding = (kTileRows - rows % kTileRows) % kTileRows;
-    const auto x = padding == 0 ? input.contiguous() : torch::constant_pad_nd(input, {0, 0, 0, padding});
+    const auto x = input.contiguous();
     auto out = torch::empty({rows, out_features}, input.options());
     amx_linear(x.data_ptr<at::BFloat16>(), rows, in_features, w, b, out.data_ptr<at::BFloat16>(), out_features);
     return out;
