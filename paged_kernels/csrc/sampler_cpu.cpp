@@ -1,9 +1,10 @@
 // The sampler's draw on the CPU (engine/sampler.py, after its logit edits) in a few passes over each row instead of
 // about twenty torch ops over the whole vocabulary and, with top-k or top-p, a sort of it: on a 2-vCPU Zen 3, one
 // SmolLM2 row took the torch ops 0.57 ms with a temperature alone and 5.3 ms with top-p, this kernel 0.13 and 0.29
-// ms (benchmarks.sampler). The same choice as the torch path's: the first maximum of the finite logits for greedy and degenerate rows, else the first token whose
-// cumulative weight e^((logit - max) / T), over the tokens top-k, top-p and min-p keep, passes the row's uniform draw
-// times their total, searched over blocks of kScanBlock entries, then inside the block found. Sums run in another
+// ms (benchmarks.sampler). The same choice as the torch path's: the first maximum of the finite logits for greedy
+// and degenerate rows, else the first token whose cumulative weight e^((logit - max) / T), over the tokens min-p,
+// top-k and top-p keep, passes the row's uniform draw times their total, searched over blocks of kScanBlock entries,
+// then inside the block found. Sums run in another
 // order than torch's, so a draw or a nucleus within rounding of a boundary between two tokens may end on the other.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
