@@ -10,8 +10,11 @@ load from that cache. ``None`` where it cannot be built; callers then stay on pl
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -40,6 +43,20 @@ def extension_name() -> str:
     return f"pagedserve_cpu_kernels_{digest}"
 
 
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built and cached: under ``TORCH_EXTENSIONS_DIR`` (else torch's default root),
+    one folder per Python and torch version, since a build links against both (torch's default names only the
+    Python, and its cache would load a build made for another torch)."""
+    from torch import __version__ as torch_version
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    directory = Path(root) / f"{python}_torch{torch_version}" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
 def build_kernels(name: str, sources: list[str], march: str = "native", sanitizer: str | None = None,
                   functions: list[str] | None = None) -> ModuleType:
     """Compile ``sources`` (the texts of ``SOURCES``, in order) as the extension ``name`` for ``-march=march``
@@ -49,16 +66,24 @@ def build_kernels(name: str, sources: list[str], march: str = "native", sanitize
     from torch.utils.cpp_extension import load_inline  # setuptools and friends: only when asked for
 
     sanitize = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer"] if sanitizer else []
-    return load_inline(
-        name=name, cpp_sources=sources, functions=FUNCTIONS if functions is None else functions,
-        # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch).
-        # -fno-trapping-math: no kernel reads floating-point exception flags, and with them kept GCC leaves the
-        # selects of exp_nonpositive and SiLU as branches, so no loop that calls them was vectorized (the decode
-        # softmax, the SiLU and the sampler's weights ran one float at a time: decode 1.1-1.35x, SiLU 4-5x slower on
-        # a Zen 3). The softmax's total is now summed a vector at a time, in another order
-        extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math", *sanitize],
-        extra_ldflags=["-fopenmp", *sanitize],
-    )
+    directory = build_directory(name)
+    # torch's own lock is a file that a process killed while building (a worker stopped during its first start)
+    # leaves behind, and every later process then waits on it forever. An flock dies with its process: whoever
+    # holds it is the only process in torch's build, so a lock file found then is such a leftover
+    with open(directory / "build.flock", "w") as build_lock:
+        fcntl.flock(build_lock, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        return load_inline(
+            name=name, build_directory=str(directory), cpp_sources=sources,
+            functions=FUNCTIONS if functions is None else functions,
+            # torch's OpenMP runtime runs at::parallel_for here too (libgomp.so.1 is already loaded by torch).
+            # -fno-trapping-math: no kernel reads floating-point exception flags, and with them kept GCC leaves the
+            # selects of exp_nonpositive and SiLU as branches, so no loop that calls them was vectorized (the decode
+            # softmax, the SiLU and the sampler's weights ran one float at a time: decode 1.1-1.35x, SiLU 4-5x
+            # slower on a Zen 3). The softmax's total is now summed a vector at a time, in another order
+            extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math", *sanitize],
+            extra_ldflags=["-fopenmp", *sanitize],
+        )
 
 
 @lru_cache(maxsize=1)
