@@ -7,7 +7,6 @@ import math
 import re
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -23,7 +22,7 @@ from tests.service.receiver import WebhookReceiver
 
 # a shared prefix of several full blocks, so the prefix cache is queried and hit
 PROMPTS = [f"{'The operators watch the memory of the engine. ' * 6}Job {i} asks about {i * 7}." for i in range(12)]
-MAX_TOKENS = 48  # long enough for the jobs to overlap and outgrow the tight KV budget
+MAX_TOKENS = 48  # with a prompt, 7 of the budget's 8 blocks: one job fits, two overlapping jobs outgrow it
 LABEL_VALUES = re.compile(r"^label_values\((?P<match>.+),\s*(?P<label>\w+)\)$")
 GRAFANA_VARIABLE = re.compile(r"\$(\w+)|\$\{(\w+)\}")
 EXPRESSIONS = [(path.stem, expr) for path in DASHBOARDS for expr in dashboard_expressions(json.loads(path.read_text()))]
@@ -69,8 +68,11 @@ def scraped(live_api: str, service_settings: Settings, auth_headers: dict[str, s
             # window, even when the whole workload runs between two scrapes
             wait_until(lambda: prometheus.query('pagedserve_http_request_duration_seconds_count{route="/v1/jobs"}'),
                        30, "Prometheus to scrape the first job's requests")
-            with ThreadPoolExecutor(max_workers=8) as pool:
-                submitted += pool.map(lambda job: client.post("/v1/jobs", json=job).json()["id"], jobs[1:])
+            # the rest in one request: queued together, they run together in the engine and outgrow its budget
+            # (any two of them overlapping must preempt), however slowly a loaded host would take them one by one
+            batch = client.post("/v1/jobs/batch", json={"jobs": jobs[1:]})
+            assert batch.status_code == 202, batch.text
+            submitted += [job["id"] for job in batch.json()["data"]]
             assert {wait_final(client, job_id)["status"] for job_id in submitted} == {"succeeded"}
         wait_until(lambda: len(receiver.received) == 2, 30, "the webhook to be retried and delivered")
 
