@@ -13,6 +13,7 @@ import redis
 import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
 
+from api.stream_fanin import fan_in
 from core import streams
 from core.db import session_factory
 from core.models import Job
@@ -101,15 +102,18 @@ class _Received:
         return events
 
 
-async def _received_before(client: Any, stream_key: str, last_id: str) -> _Received:
+async def _received_before(stream_key: str, last_id: str) -> _Received:
     """What a follower resuming after `last_id` had received: the token entries up to it, since the last restart
     (all of it past the final entry; nothing known when the stream is gone)."""
     if last_id == "0-0":
         return _Received(from_start=True)
+    client = streams.async_redis_client()
     try:
         entries = await client.xrange(stream_key, "-", last_id)
     except redis.exceptions.RedisError:  # unknown: only what comes from now on is sent, and the end from the store
         return _Received(from_start=False)
+    finally:
+        await client.aclose()
     received = _Received(from_start=bool(entries))
     for _, fields in entries:
         if fields["type"] == "restart":
@@ -141,13 +145,12 @@ async def follow_job(
     """Yield a job's events after `last_id`, and None after each idle second (a chance to send a keep-alive).
     The token events, joined, are the job's output (from `last_id` on): a delta that came twice yields only its new
     part, and what never came is made up from the stored output before the final event."""
-    client = streams.async_redis_client()
     stream_key = streams.events_key(job_id)
-    try:
-        received = await _received_before(client, stream_key, last_id)
+    async with fan_in().subscribe(stream_key, last_id) as subscription:
+        received = await _received_before(stream_key, last_id)
         while True:
-            reply = await _read(client, stream_key, last_id, IDLE_CHECK_MS, 512)
-            if not reply:
+            entries = await subscription.next(IDLE_CHECK_MS)
+            if not entries:
                 job = await run_in_threadpool(load_job, job_id)
                 if job.status.is_final:
                     for event in received.missing(job):
@@ -156,8 +159,7 @@ async def follow_job(
                     return
                 yield None
                 continue
-            for entry_id, fields in reply[0][1]:
-                last_id = entry_id
+            for entry_id, fields in entries:
                 if fields["type"] == "token":
                     if (part := received.new_part(json.loads(fields["data"]))) is not None:
                         yield TokenEvent(part, entry_id)
@@ -171,8 +173,6 @@ async def follow_job(
                     yield event
                 yield FinalEvent(job, entry_id)
                 return
-    finally:
-        await client.aclose()
 
 
 async def follow_final(job_id: str, idle_ms: int = IDLE_CHECK_MS) -> AsyncIterator[FinalEvent | None]:
