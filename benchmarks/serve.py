@@ -86,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def earlier_runs(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
-    """The command and the rows of the other systems from <name>.json, for --keep-others."""
+def earlier_runs(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], dict[str, Any] | None]:
+    """The command, the rows of the other systems and the llama.cpp source they ran (if any) from <name>.json, for
+    --keep-others."""
     path = args.out / f"{args.name}.json"
     if not path.is_file():
         raise SystemExit(f"--keep-others: there is no {path} to keep runs from")
@@ -95,7 +96,8 @@ def earlier_runs(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     if earlier["workload"] != asdict(workload(args)):
         raise SystemExit(f"--keep-others: {path} measured another workload ({earlier['workload']}); "
                          "give the same --requests, --prompt-tokens and --output-tokens")
-    return earlier["command"], [row for row in earlier["rows"] if row["system"] not in args.systems]
+    return (earlier["command"], [row for row in earlier["rows"] if row["system"] not in args.systems],
+            earlier.get("llama_cpp"))
 
 
 def _poll(ready: Callable[[], T | None], process: subprocess.Popen[bytes], what: str) -> T:
@@ -192,6 +194,7 @@ class Results:
     progress: tqdm
     rows: list[dict[str, Any]] = field(default_factory=list)
     round: int = 1  # of --rounds, recorded with each run
+    kept_llama_cpp: dict[str, Any] | None = None  # the source of llama.cpp's kept runs (--keep-others)
 
     def add(self, row: dict[str, Any]) -> None:
         """Record a run (or a server that failed) and rewrite the result files."""
@@ -226,7 +229,9 @@ class Results:
             "machine": machine(), "rows": self.rows, "comparisons": comparisons(self.rows),
         }
         if any(row["system"] == "llama.cpp" and "error" not in row for row in self.rows):
-            payload["llama_cpp"] = llama_cpp.source_version()
+            # runs kept from an earlier file name the source they ran; this machine need not have built one
+            measured = "llama.cpp" in self.args.systems
+            payload["llama_cpp"] = llama_cpp.source_version() if measured else self.kept_llama_cpp
         write_json(self.args.name, payload, self.args.out)
         (self.args.out / f"{self.args.name}.md").write_text(serve_report.markdown(payload))
         serve_report.save_plot(payload, self.args.out / f"{self.args.name}.png")
@@ -329,15 +334,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     command = "python -m benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv)
     rows: list[dict[str, Any]] = []
+    kept_llama_cpp = None
     if args.keep_others:
-        earlier_command, rows = earlier_runs(args)
+        earlier_command, rows, kept_llama_cpp = earlier_runs(args)
         command = f"{earlier_command}\n{command}"
     tokenizer_dir = resolve_model(args.model)  # guidellm's tokenizer and llama.cpp's source weights
     configs = {"pagedserve": len(args.modes), "llama.cpp": len(args.gguf_types) * len(args.slots) * len(args.modes),
                "offline": 1}
     total = sum(configs[system] for system in args.systems) * len(args.concurrency) * args.rounds
     with tempfile.TemporaryDirectory(prefix="serve-") as work, tqdm(total=total, unit="run") as progress:
-        results = Results(args, command, tokenizer_dir, Path(work), progress, rows)
+        results = Results(args, command, tokenizer_dir, Path(work), progress, rows, kept_llama_cpp=kept_llama_cpp)
         for round_number in range(1, args.rounds + 1):
             results.round = round_number
             # the offline engine right after the service: hosts drift in speed within minutes, and service ÷

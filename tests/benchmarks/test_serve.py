@@ -140,12 +140,28 @@ def test_bad_options_are_refused_naming_the_option(argv: list[str], named: str,
 def test_keep_others_keeps_the_other_systems_runs_of_the_same_workload(tmp_path: Path) -> None:
     earlier = {"command": "python -m benchmarks.serve", "workload": {"num_requests": 96, "prompt_tokens": 128,
                                                                      "output_tokens": 128},
-               "rows": [{"system": "pagedserve", "config": "defaults"}, {"system": "llama.cpp", "config": "x"}]}
+               "rows": [{"system": "pagedserve", "config": "defaults"}, {"system": "llama.cpp", "config": "x"}],
+               "llama_cpp": {"sdist": "llama_cpp_python-0.3.36.tar.gz", "commit": "abc"}}
     (tmp_path / "serve.json").write_text(json.dumps(earlier))
     args = serve.parse_args(["--systems", "pagedserve", "--keep-others", "--out", str(tmp_path)])
-    assert serve.earlier_runs(args) == ("python -m benchmarks.serve", [{"system": "llama.cpp", "config": "x"}])
+    assert serve.earlier_runs(args) == ("python -m benchmarks.serve", [{"system": "llama.cpp", "config": "x"}],
+                                        earlier["llama_cpp"])
     with pytest.raises(SystemExit, match="measured another workload"):
         serve.earlier_runs(serve.parse_args(["--systems", "pagedserve", "--requests", "8", "--out", str(tmp_path)]))
+
+
+def test_kept_llama_cpp_runs_keep_the_source_they_ran(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # re-measuring pagedserve alone against llama.cpp's recorded runs needs no llama.cpp build on this machine
+    source = {"sdist": "llama_cpp_python-0.3.36.tar.gz", "commit": "abc"}
+    kept = {"system": "llama.cpp", "config": "BF16 GGUF, 16 slots", "mode": "non-streaming", "concurrency": 2,
+            "output_tokens_per_s": 80.0, "requests_failed": 0}
+    workload = {"num_requests": NUM_REQUESTS, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}
+    (tmp_path / "serve.json").write_text(json.dumps({"command": "python -m benchmarks.serve", "workload": workload,
+                                                     "rows": [kept], "llama_cpp": source}))
+    payload = serve.main([*_pagedserve_argv(tiny_model_dir, tmp_path, SMALL_ENGINE, systems=("offline",)),
+                          "--keep-others"])
+    assert [row["system"] for row in payload["rows"]] == ["llama.cpp", "offline"]
+    assert payload["llama_cpp"] == source
 
 
 def test_offline_engine_samples_as_the_service_samples_guidellms_requests() -> None:
