@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
@@ -47,6 +48,7 @@ API_KEY_LINE = re.compile(r"development API key: (\S+)")
 ENGINE_COUNTERS = {"engine_busy_s": "pagedserve_step_duration_seconds_sum",
                    "engine_steps": "pagedserve_step_duration_seconds_count",
                    "engine_rows": "pagedserve_batch_size_sum"}
+SERVICE_ROLES = ("api", "worker", "redis")  # the processes of `pagedserve up` whose CPU each run records
 T = TypeVar("T")
 
 
@@ -142,6 +144,28 @@ def engine_share(before: dict[str, float], after: dict[str, float], duration_s: 
             "engine_steps": steps, "engine_rows_per_step": delta["engine_rows"] / steps if steps else 0.0}
 
 
+def service_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far (user + system) of the processes `pagedserve up` (``pid``) started, by role: its API, its
+    worker (the engine's threads included) and its embedded Redis."""
+    seconds = dict.fromkeys(SERVICE_ROLES, 0.0)
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            command, name, times = child.cmdline(), child.name(), child.cpu_times()
+        except psutil.Error:  # it ended meanwhile
+            continue
+        role = "redis" if name == "redis-server" else command[-1] if command else ""
+        if role in seconds:
+            seconds[role] += times.user + times.system
+    return seconds
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], output_tokens: float) -> dict[str, float]:
+    """Each service process's CPU milliseconds per output token over a run: what the API and Redis cost beside the
+    engine, a cost that a host shared with the engine pays in engine time."""
+    return {f"{role}_cpu_ms_per_token": 1000.0 * (after[role] - before[role]) / output_tokens
+            for role in SERVICE_ROLES if output_tokens > 0}
+
+
 def checkout_env(source: Path | None) -> dict[str, Any]:
     """Popen's arguments that make `python -m cli.main` run the checkout `source` (this one when None)."""
     if source is None:
@@ -149,12 +173,21 @@ def checkout_env(source: Path | None) -> dict[str, Any]:
     return {"cwd": source, "env": {**os.environ, "PYTHONPATH": str(source)}}
 
 
+@dataclass(frozen=True, slots=True)
+class RunningService:
+    """A started `pagedserve up`: where it answers, its worker's metrics URL, and its process id."""
+
+    target: Target
+    metrics_url: str
+    pid: int
+
+
 @contextmanager
 def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path,
-                  source: Path | None = None) -> Iterator[tuple[Target, str]]:
-    """`pagedserve up` on a free port, a fresh data directory and its own embedded Redis, yielded with its worker's
-    metrics URL once the worker has answered a warm-up request; stopped afterwards. `source`: another checkout
-    to run (first on its PYTHONPATH) instead of this one."""
+                  source: Path | None = None) -> Iterator[RunningService]:
+    """`pagedserve up` on a free port, a fresh data directory and its own embedded Redis, yielded once the worker
+    has answered a warm-up request; stopped afterwards. `source`: another checkout to run (first on its PYTHONPATH)
+    instead of this one."""
     port, metrics_port = llama_cpp.free_port(), llama_cpp.free_port()
     command = [sys.executable, "-m", "cli.main", "up", "--model", model, "--port", str(port),
                "--data-dir", str(work_dir / "data"), "--redis-url", f"redis://127.0.0.1:{llama_cpp.free_port()}/0",
@@ -170,7 +203,7 @@ def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path,
         _poll(lambda: httpx.post(f"{target.base_url}/v1/completions", json=warm_up, timeout=STARTUP_TIMEOUT_S,
                                  headers={"Authorization": f"Bearer {api_key}"}).raise_for_status(),
               process, "a warm-up completion")
-        yield target, f"http://127.0.0.1:{metrics_port}/metrics"
+        yield RunningService(target, f"http://127.0.0.1:{metrics_port}/metrics", process.pid)
     except (RuntimeError, httpx.HTTPError) as error:
         tail = "\n".join(log_path.read_text().splitlines()[-15:])
         raise RuntimeError(f"{error}\npagedserve up's last lines:\n{tail}") from error
@@ -202,21 +235,28 @@ class Results:
         self.progress.update(1)
         self.write()
 
-    def run_cells(self, target: Target, system: str, config: str, metrics_url: str | None = None) -> None:
+    def run_cells(self, target: Target, system: str, config: str, service: RunningService | None = None) -> None:
         """One guidellm run per mode and concurrency against ``target``; a failed run is a row with its error.
-        With ``metrics_url`` (pagedserve's worker), each row also gets what the engine did meanwhile."""
+        With ``service`` (pagedserve), each row also gets what the engine did meanwhile and what CPU each of the
+        service's processes took per output token."""
         for mode in self.args.modes:
             for concurrency in self.args.concurrency:
                 row: dict[str, Any] = {"system": system, "config": config, "mode": mode, "concurrency": concurrency}
                 self.progress.set_description(f"{system} {config} {mode} x{concurrency}")
-                before = engine_counters(metrics_url, row) if metrics_url else None
+                before = engine_counters(service.metrics_url, row) if service else None
+                cpu_before = service_cpu_s(service.pid) if service else None
                 try:
                     row |= guidellm_client.run(target, self.tokenizer_dir, workload(self.args), MODES[mode],
                                                concurrency, self.args.client_processes, self.work_dir)
                 except RuntimeError as error:
                     row["error"] = str(error)
-                after = engine_counters(metrics_url, row) if before is not None and metrics_url else None
-                if before is not None and after is not None and "error" not in row:
+                if service is None or "error" in row:
+                    self.add(row)
+                    continue
+                if cpu_before is not None:
+                    row |= cpu_per_token(cpu_before, service_cpu_s(service.pid), row["output_tokens"])
+                after = engine_counters(service.metrics_url, row) if before is not None else None
+                if before is not None and after is not None:
                     row |= engine_share(before, after, row["duration_s"])
                 self.add(row)
 
@@ -243,8 +283,8 @@ def measure_pagedserve(results: Results) -> None:
     args = results.args
     config = args.pagedserve_flags or "defaults"
     try:
-        with pagedserve_up(args.model, shlex.split(args.pagedserve_flags), results.work_dir) as (target, metrics_url):
-            results.run_cells(target, "pagedserve", config, metrics_url)
+        with pagedserve_up(args.model, shlex.split(args.pagedserve_flags), results.work_dir) as service:
+            results.run_cells(service.target, "pagedserve", config, service)
     except RuntimeError as error:
         results.add({"system": "pagedserve", "config": config, "error": str(error)})
 

@@ -10,7 +10,8 @@ from benchmarks.common import new_figure
 ROW_COLUMNS = [
     "round", "system", "config", "mode", "concurrency", "output_tokens_per_s", "latency_ms_p50", "latency_ms_p99",
     "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "engine_busy_share",
-    "engine_rows_per_step", "requests_successful", "requests_failed", "error",
+    "engine_rows_per_step", "worker_cpu_ms_per_token", "api_cpu_ms_per_token", "redis_cpu_ms_per_token",
+    "requests_successful", "requests_failed", "error",
 ]
 COMPARISON_COLUMNS = [
     "mode", "concurrency", "pagedserve_output_tokens_per_s", "llama_cpp_best_config",

@@ -115,9 +115,9 @@ def run_side(args: argparse.Namespace, side: str, source: Path | None) -> dict[s
     with tempfile.TemporaryDirectory(prefix="tenant-fairness-") as scratch:
         work_dir = Path(scratch)
         flags = ["--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.pagedserve_flags)]
-        with pagedserve_up(args.model, flags, work_dir, source=source) as (target, _):
+        with pagedserve_up(args.model, flags, work_dir, source=source) as service:
             light_key = _light_key(source, work_dir / "data")
-            result = asyncio.run(measure(args, target.base_url, target.api_key, light_key))
+            result = asyncio.run(measure(args, service.target.base_url, service.target.api_key, light_key))
     return {"side": side, "backlog": args.backlog, **result}
 
 

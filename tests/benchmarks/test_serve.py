@@ -39,6 +39,9 @@ def test_guidellm_measures_pagedserve_up_streaming_and_not(tiny_model_dir: Path,
         assert NUM_REQUESTS * OUTPUT_TOKENS // 2 <= row["engine_steps"] <= NUM_REQUESTS * OUTPUT_TOKENS
         assert 1.0 <= row["engine_rows_per_step"] <= 2.0
         assert 0 < row["engine_busy_s"] <= row["duration_s"] and "engine_counters_error" not in row
+        # each process of the service took CPU for the run's tokens: the worker's engine, the API answering every
+        # request, Redis carrying the messages and token streams
+        assert all(row[f"{role}_cpu_ms_per_token"] > 0 for role in serve.SERVICE_ROLES), row
     streaming, offline = payload["rows"][1:]
     assert offline["config"] == "engine, max_num_seqs=2"
     assert 0 < streaming["ttft_ms_p50"] <= streaming["ttft_ms_p99"] and streaming["itl_ms_p50"] > 0
