@@ -244,20 +244,17 @@ class Results:
                 row: dict[str, Any] = {"system": system, "config": config, "mode": mode, "concurrency": concurrency}
                 self.progress.set_description(f"{system} {config} {mode} x{concurrency}")
                 before = engine_counters(service.metrics_url, row) if service else None
-                cpu_before = service_cpu_s(service.pid) if service else None
+                cpu_before = service_cpu_s(service.pid) if service else {}
                 try:
                     row |= guidellm_client.run(target, self.tokenizer_dir, workload(self.args), MODES[mode],
                                                concurrency, self.args.client_processes, self.work_dir)
                 except RuntimeError as error:
                     row["error"] = str(error)
-                if service is None or "error" in row:
-                    self.add(row)
-                    continue
-                if cpu_before is not None:
+                if service is not None and "error" not in row:
                     row |= cpu_per_token(cpu_before, service_cpu_s(service.pid), row["output_tokens"])
-                after = engine_counters(service.metrics_url, row) if before is not None else None
-                if before is not None and after is not None:
-                    row |= engine_share(before, after, row["duration_s"])
+                    after = engine_counters(service.metrics_url, row) if before is not None else None
+                    if before is not None and after is not None:
+                        row |= engine_share(before, after, row["duration_s"])
                 self.add(row)
 
     def write(self) -> dict[str, Any]:

@@ -76,9 +76,9 @@ def test_followers_of_one_stream_each_start_after_their_own_position(service_set
 
     async def follow_twice() -> tuple[list[str], list[str]]:
         async with fan_in().subscribe(key) as whole, fan_in().subscribe(key, ids[1]) as resumed:
-            early = await _texts(whole, 3), await _texts(resumed, 1)
-            await asyncio.to_thread(_publish, {key: "entry 3"})
-            return early[0] + await _texts(whole, 1), early[1] + await _texts(resumed, 1)
+            whole_texts, resumed_texts = await _texts(whole, 3), await _texts(resumed, 1)
+            await asyncio.to_thread(_publish, {key: "entry 3"})  # new to both
+            return whole_texts + await _texts(whole, 1), resumed_texts + await _texts(resumed, 1)
 
     whole, resumed = _run(follow_twice)
     assert whole == ["entry 0", "entry 1", "entry 2", "entry 3"]
@@ -107,7 +107,7 @@ def test_the_reader_stops_after_its_last_follower_and_a_new_follower_starts_anot
 ) -> None:
     key = streams.key("fanin", "again")
 
-    async def readers() -> list[asyncio.Task[Any]]:
+    def readers() -> list[asyncio.Task[Any]]:
         return [task for task in asyncio.all_tasks() if task.get_coro().__qualname__ == "_Reader._run"]
 
     async def follow_one_after_another() -> list[str]:
@@ -117,10 +117,10 @@ def test_the_reader_stops_after_its_last_follower_and_a_new_follower_starts_anot
                 await asyncio.to_thread(_publish, {key: f"round {round_}"})
                 texts += await _texts(subscription, round_ + 1)
             for _ in range(50):  # it ends once a read finds nobody following: within BLOCK_MS
-                if not await readers():
+                if not readers():
                     break
                 await asyncio.sleep(0.1)
-            assert not await readers(), "a reader outlived its last follower"
+            assert not readers(), "a reader outlived its last follower"
         return texts
 
     assert _run(follow_one_after_another) == ["round 0", "round 0", "round 1"]
