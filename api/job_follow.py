@@ -8,9 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import redis
-import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
 
 from api.stream_fanin import fan_in
@@ -125,20 +123,6 @@ async def _received_before(stream_key: str, last_id: str) -> _Received:
     return received
 
 
-async def _read(client: aioredis.Redis, stream_key: str, last_id: str, block_ms: int, count: int) -> list[Any]:
-    """XREAD of one stream after `last_id`; an answer later than the client's socket timeout (the event loop or Redis
-    held up for seconds) counts as none, and the next read goes on from the same id, instead of ending the stream.
-    A lost connection (Redis restarted, failed over, or dropped it) counts as none after the blocking time: the
-    follower checks the store meanwhile, as when idle, and the next read connects again."""
-    try:
-        return await client.xread({stream_key: last_id}, block=block_ms, count=count)
-    except redis.exceptions.TimeoutError:
-        return []
-    except redis.exceptions.ConnectionError:
-        await anyio.sleep(block_ms / 1000)
-        return []
-
-
 async def follow_job(
     job_id: str, last_id: str = "0-0"
 ) -> AsyncIterator[TokenEvent | RestartEvent | FinalEvent | None]:
@@ -178,25 +162,19 @@ async def follow_job(
 async def follow_final(job_id: str, idle_ms: int = IDLE_CHECK_MS) -> AsyncIterator[FinalEvent | None]:
     """Yield None after each idle `idle_ms` (a chance to check the client), then the job once final.
 
-    Blocks on the job's final stream alone, so its tokens wake nothing.
+    Follows the job's final stream alone, so its tokens wake nothing.
     """
-    client = streams.async_redis_client()
-    stream_key = streams.final_key(job_id)
-    last_id, next_store_check = "0-0", 0.0
-    try:
+    next_store_check = 0.0
+    async with fan_in().subscribe(streams.final_key(job_id)) as subscription:
         while True:
-            reply = await _read(client, stream_key, last_id, idle_ms, 1)
-            if reply:
-                last_id = reply[0][1][0][0]  # read past it: an entry the store contradicts is read once
-            elif time.monotonic() < next_store_check:
-                yield None
-                continue
-            else:  # Redis may have lost the final entry, or never got it (it was down when the job ended)
+            if not await subscription.next(idle_ms):
+                if time.monotonic() < next_store_check:
+                    yield None
+                    continue
+                # Redis may have lost the final entry, or never got it (it was down when the job ended)
                 next_store_check = time.monotonic() + FINAL_RECHECK_S
             job = await run_in_threadpool(load_job, job_id)
             if job.status.is_final:
                 yield FinalEvent(job)
                 return
-            yield None
-    finally:
-        await client.aclose()
+            yield None  # an entry the store contradicts: the subscription has read past it

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api import jobs
+from api.disconnect_check import DisconnectCheck
 from api.errors import ApiError
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_final, follow_job
 from api.openai_schemas import StreamOptions, openai_named
@@ -236,8 +237,15 @@ class _JobRelay:
 
 async def _interleaved(relays: list[_JobRelay]) -> AsyncIterator[tuple[_JobRelay, str | None]]:
     """Every relay's lines as they come, as (relay, line), and (relay, None) once that relay has ended; an error in
-    a relay is raised here. Plain asyncio tasks and a queue: no cancel scope is held open across this generator's
-    yields, so it may be closed from any task (Starlette's, or the event loop's finalizer)."""
+    a relay is raised here. One relay is read in place; several through plain asyncio tasks and a queue. Either way
+    no cancel scope is held open across this generator's yields, so it may be closed from any task (Starlette's, or
+    the event loop's finalizer)."""
+    if len(relays) == 1:  # nothing to interleave: no task and queue hop per line
+        async with aclosing(relays[0].lines()) as relayed:
+            async for line in relayed:
+                yield relays[0], line
+        yield relays[0], None
+        return
     lines: asyncio.Queue[tuple[_JobRelay, str | None | Exception]] = asyncio.Queue(maxsize=len(relays))
 
     async def pump(relay: _JobRelay) -> None:
@@ -282,10 +290,11 @@ async def stream_jobs(
               for prompt_index, job in enumerate(jobs)]
     relayed: set[str] = set()
     usages = []
+    disconnect = DisconnectCheck(request)
     try:
         async with aclosing(_interleaved(relays)) as lines:
             async for relay, line in lines:
-                if await request.is_disconnected():
+                if await disconnect.gone():
                     return
                 if line is not None:
                     if line != IDLE:

@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
+from api.disconnect_check import DisconnectCheck
 from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
 from api.openai_relay import cancel_unfinished, failure
 from api.openai_schemas import openai_named
@@ -129,12 +130,13 @@ async def stream_response(request: Request, key: ApiKey, job: Job, model: str, t
     """The response's events as its job runs; a client that goes away cancels the job."""
     events = _ResponseEvents(job, model, tools, sent_as)
     finished = False
+    disconnect = DisconnectCheck(request)
     try:
         for line in events.opening():
             yield line
         async with aclosing(follow_job(job.id)) as followed:
             async for event in followed:
-                if await request.is_disconnected():
+                if await disconnect.gone():
                     return
                 if isinstance(event, TokenEvent):
                     for line in events.tokens(event.delta):

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import jobs
 from api.auth import CurrentKey, DbSession
+from api.disconnect_check import DisconnectCheck
 from api.errors import ApiError
 from api.job_follow import RestartEvent, TokenEvent, follow_job
 from api.schemas import JobOut
@@ -26,9 +27,10 @@ def _sse(event: str, data: str, event_id: str | None = None) -> str:
 
 
 async def _events(request: Request, job_id: str, last_id: str) -> AsyncIterator[str]:
+    disconnect = DisconnectCheck(request)
     async with aclosing(follow_job(job_id, last_id)) as events:
         async for event in events:
-            if await request.is_disconnected():
+            if await disconnect.gone():
                 return
             if event is None:
                 yield ": keep-alive\n\n"

@@ -21,6 +21,7 @@ from core.models import Job, JobStatus
 from core.settings import Settings, configure
 
 Timed = list[tuple[float, FinalEvent | None]]
+WAITERS = 16
 
 
 def _running_job(client: TestClient, headers: dict[str, str], prompt: str = "wait for me") -> str:
@@ -94,6 +95,39 @@ def test_tokens_wake_no_waiter_and_the_final_entry_ends_the_wait_at_once(
     assert isinstance(final, FinalEvent) and final.job.status is JobStatus.succeeded
     assert final.job.output is not None and final.job.output[0]["text"] == "a" * 40
     assert arrived_at - finished_at[0] < 2.0
+
+
+def _connections_received() -> int:
+    return int(streams.redis_client().info("stats")["total_connections_received"])
+
+
+def test_many_waiters_share_one_connection_and_each_ends_with_its_job(
+    client: TestClient, auth_headers: dict[str, str]
+) -> None:
+    """Non-streaming waits read through the event loop's one shared reader: no connection per request."""
+    job_ids = [_running_job(client, auth_headers, f"waiter {i}") for i in range(WAITERS)]
+
+    async def wait_all() -> tuple[list[FinalEvent], int]:
+        async def wait(job_id: str) -> FinalEvent:
+            async with aclosing(follow_final(job_id, 5000)) as follower:
+                async for event in follower:
+                    if isinstance(event, FinalEvent):
+                        return event
+            raise AssertionError(f"{job_id} ended without its final event")
+
+        connections_before = await asyncio.to_thread(_connections_received)
+        waits = [asyncio.create_task(wait(job_id)) for job_id in job_ids]
+        await asyncio.sleep(0.3)  # every waiter is in the shared read
+        for job_id in reversed(job_ids):
+            await asyncio.to_thread(_succeed, job_id, job_id[-4:])
+        finals = await asyncio.gather(*waits)
+        return finals, await asyncio.to_thread(_connections_received) - connections_before
+
+    finals, connections = asyncio.run(asyncio.wait_for(wait_all(), timeout=30))
+    assert [final.job.id for final in finals] == job_ids
+    assert all(final.job.output and final.job.output[0]["text"] == final.job.id[-4:] for final in finals)
+    # the reader and its wake-ups: two; a connection per wait would be 16
+    assert connections <= 4, f"{connections} new Redis connections for {WAITERS} waits"
 
 
 def test_an_idle_waiter_asks_the_store_once_not_every_idle_wait(
