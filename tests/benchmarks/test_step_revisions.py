@@ -1,4 +1,5 @@
-"""benchmarks.step_revisions times the decode step of a git revision's engine against the working tree's."""
+"""benchmarks.step_revisions times the prefill and decode steps of a git revision's engine against the working
+tree's."""
 
 from __future__ import annotations
 
@@ -13,21 +14,34 @@ from benchmarks import step_revisions
 def test_a_revision_and_the_working_tree_are_each_timed_in_their_own_process(tmp_path: Path,
                                                                             tiny_model_dir: Path) -> None:
     step_revisions.main(["--base", "HEAD", "--model", str(tiny_model_dir), "--batches", "1", "3", "--tokens", "4",
-                         "--repeats", "1", "--rounds", "1", "--temperature", "0.8", "--out", str(tmp_path),
+                         "--repeats", "1", "--rounds", "1", "--temperature", "0.8", "--prompt-tokens", "40",
+                         "--out", str(tmp_path),
                          "--name", "steps"])
     payload = json.loads((tmp_path / "steps.json").read_text())
     assert (tmp_path / "steps.png").stat().st_size > 0
     assert sorted(r["side"] for r in payload["rounds"]) == ["base", "head"]
-    assert payload["args"]["temperature"] == 0.8
+    assert payload["args"]["temperature"] == 0.8 and payload["args"]["prompt_tokens"] == 40
     assert [r["batch"] for r in payload["results"]] == [1, 3]
     for row in payload["results"]:
-        assert row["base_ms"] > 0 and row["head_ms"] > 0
-        assert row["head_over_base"] == pytest.approx(row["head_ms"] / row["base_ms"])
+        for label in ("prefill", "decode"):
+            assert row[f"{label}_base_ms"] > 0 and row[f"{label}_head_ms"] > 0
+            assert row[f"{label}_head_over_base"] == pytest.approx(row[f"{label}_head_ms"] / row[f"{label}_base_ms"])
+
+
+def test_a_prompt_of_n_tokens_is_the_sentence_repeated_to_n(tiny_model_dir: Path) -> None:
+    from engine import LLM
+
+    llm = LLM(model=str(tiny_model_dir))
+    sentence = llm.engine.tokenizer.encode(step_revisions.PROMPT.format(2))
+    prompt = step_revisions.prompt_of(llm, 2, 2 * len(sentence) + 3)
+    assert prompt == sentence * 2 + sentence[:3]
+    assert step_revisions.prompt_of(llm, 2, None) == step_revisions.PROMPT.format(2)
 
 
 @pytest.mark.parametrize(("flags", "named"), [(["--base", "no-such-revision"], "--base"),
                                               (["--batches", "0"], "--batches"), (["--tokens", "1"], "--tokens"),
                                               (["--rounds", "0"], "--rounds"),
+                                              (["--prompt-tokens", "0"], "--prompt-tokens"),
                                               (["--temperature", "-1"], "--temperature")])
 def test_bad_arguments_are_refused_naming_the_flag(flags: list[str], named: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:

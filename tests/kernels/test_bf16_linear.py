@@ -71,6 +71,18 @@ def test_bf16_linear_is_the_fp32_summed_product_rounded_once(
         assert_rounded_once(got, expected_linear(rows, weight, with_bias))
 
 
+@pytest.mark.parametrize("num_rows", [128, 129, 300])
+def test_rows_past_one_chunk_are_each_their_own_product(kernels: ModuleType, num_rows: int) -> None:
+    """With AMX, a thread passes its blocks over 512 KiB of rows at a time: 4 passes of 32 rows at 2,048 features, so
+    these rows end a chunk exactly, one row past it, and in a partial pass of a third chunk."""
+    torch.manual_seed(num_rows)
+    weight = torch.randn(80, 2048).to(torch.bfloat16)
+    bias = torch.randn(80)
+    rows = torch.randn(num_rows, 2048).to(torch.bfloat16)
+    got = kernels.bf16_linear(rows, kernels.bf16_pack_weight(weight), bias, 2048, 80)
+    assert_rounded_once(got, expected_linear(rows, weight, bias))
+
+
 def test_no_rows_give_an_empty_result(kernels: ModuleType) -> None:
     weight = torch.randn(40, 64).to(torch.bfloat16)
     got = kernels.bf16_linear(torch.empty(0, 64, dtype=torch.bfloat16), kernels.bf16_pack_weight(weight),
