@@ -128,7 +128,7 @@ def save_bar_chart(labels: list[str], values: list[float], ylabel: str, title: s
     ax.set_title(title)
     ax.tick_params(axis="x", rotation=20)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def save_with_legend(fig: Any, ax: Any, ylabel: str, path: Path) -> None:
@@ -136,7 +136,15 @@ def save_with_legend(fig: Any, ax: Any, ylabel: str, path: Path) -> None:
     ax.set_ylabel(ylabel)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 100) -> None:
+    """Write ``fig`` as a PNG and close it: pyplot holds every figure it made until it is closed."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def new_figure(**kwargs: Any) -> tuple[Any, Any]:

@@ -14,7 +14,16 @@ import statistics
 from typing import Any
 
 from benchmarks.baselines import orca
-from benchmarks.common import add_common_args, build_llm, machine, new_figure, percentile, print_table, write_json
+from benchmarks.common import (
+    add_common_args,
+    build_llm,
+    machine,
+    new_figure,
+    percentile,
+    print_table,
+    save_figure,
+    write_json,
+)
 from benchmarks.runner import EngineRun, run_engine
 from benchmarks.workloads import DATASETS, Request, corpus_token_ids, make_requests, max_seq_len, poisson_arrivals
 from engine.model_files import load_tokenizer
@@ -97,7 +106,7 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ax.set_title(f"Latency, {args.dataset}-like ×{args.scale}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "latency.png", dpi=120)
+    save_figure(fig, args.out / "latency.png", dpi=120)
 
 
 if __name__ == "__main__":

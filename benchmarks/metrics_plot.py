@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from benchmarks.common import add_common_args, build_llm, kv_cache_bytes, new_figure
+from benchmarks.common import add_common_args, build_llm, kv_cache_bytes, new_figure, save_figure
 from benchmarks.prometheus_server import PrometheusServer
 from benchmarks.runner import run_engine
 from benchmarks.workloads import corpus_token_ids, make_requests, poisson_arrivals
@@ -65,7 +65,7 @@ def plot(prometheus: PrometheusServer, start: float, end: float, title: str, pat
     axes[0].set_title(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import new_figure
+from benchmarks.common import new_figure, save_figure
 
 ROW_COLUMNS = [
     "round", "system", "config", "mode", "concurrency", "output_tokens_per_s", "latency_ms_p50", "latency_ms_p99",
@@ -80,4 +80,4 @@ def save_plot(payload: dict[str, Any], path: Path) -> None:
     ax.set_title(f"guidellm, {payload['workload']['num_requests']} requests, {payload['machine']['cpu_model']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
