@@ -130,11 +130,11 @@ class StreamFanIn:
         """Follow the stream ``key`` after ``last_id`` for the duration of the block."""
         subscription = Subscription(key, last_id)
         self._followers.setdefault(key, set()).add(subscription)
-        if self._reader is None or self._reader.stopped:
-            self._reader = _Reader(self._followers)
-        elif self._reader.blocked:
-            await self._reader.wake()
-        try:
+        try:  # a follower cancelled while it wakes the reader is taken out too
+            if self._reader is None or self._reader.stopped:
+                self._reader = _Reader(self._followers)
+            elif self._reader.blocked:
+                await self._reader.wake()
             yield subscription
         finally:
             followers = self._followers[key]

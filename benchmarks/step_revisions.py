@@ -77,6 +77,16 @@ def prompt_of(llm: Any, index: int, tokens: int | None) -> str | list[int]:
     return (ids * (tokens // len(ids) + 1))[:tokens]
 
 
+def prefill(engine: Any, request_ids: list[str]) -> int:
+    """Step until every request has its first token (over several steps where the prompts outgrow one step's
+    tokens); the steps taken."""
+    steps = 0
+    while any(seq.num_output_tokens == 0 for request_id in request_ids for seq in engine.groups[request_id].seqs):
+        engine.step()
+        steps += 1
+    return steps
+
+
 def step_ms(llm: Any, batch: int, tokens: int, temperature: float = 0.0,
             prompt_tokens: int | None = None) -> tuple[float, float]:
     """Milliseconds of the prefill of ``batch`` sequences sampled at ``temperature`` (0: greedy), and per decode step
@@ -84,14 +94,13 @@ def step_ms(llm: Any, batch: int, tokens: int, temperature: float = 0.0,
     from engine import SamplingParams
 
     engine = llm.engine
-    for i in range(batch):
+    request_ids = [f"bench-{batch}-{time.monotonic_ns()}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(request_ids):
         params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=i, ignore_eos=True)
         # a prompt of its own: none is served from the prefix cache that an earlier timing filled
-        engine.add_request(f"bench-{batch}-{time.monotonic_ns()}-{i}", prompt_of(llm, next(PROMPT_NUMBERS),
-                                                                                   prompt_tokens), params)
+        engine.add_request(request_id, prompt_of(llm, next(PROMPT_NUMBERS), prompt_tokens), params)
     started = time.perf_counter()
-    while engine.scheduler.waiting:  # prefill (chunked over several steps if the batch's prompts need it)
-        engine.step()
+    prefill(engine, request_ids)
     prefill_ms = 1000 * (time.perf_counter() - started)
     steps, started = 0, time.perf_counter()
     while engine.has_unfinished_requests():

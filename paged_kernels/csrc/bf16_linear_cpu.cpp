@@ -318,7 +318,7 @@ torch::Tensor bf16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
   // in AMX tiles, at any row count (even one row in a tile of its own is read from memory faster than by
   // vdpbf16ps: 0.81-0.85x oneDNN's time at 1-4 rows against 0.94-1.37x, benchmarks.linear_layers on a 2-vCPU
   // Emerald Rapids); whole steps of features
-  if (rows > 0 && in_features % kTileFeatures == 0 && amx_permitted()) {
+  if (rows > 0 && in_features > 0 && in_features % kTileFeatures == 0 && amx_permitted()) {
     const auto x = input.contiguous();
     auto out = torch::empty({rows, out_features}, input.options());
     amx_linear(x.data_ptr<at::BFloat16>(), rows, in_features, w, b, out.data_ptr<at::BFloat16>(), out_features);

@@ -48,3 +48,14 @@ def test_bad_arguments_are_refused_naming_the_flag(flags: list[str], named: str,
     with pytest.raises(SystemExit) as refused:
         step_revisions.main(flags)
     assert named in str(refused.value) or named in capsys.readouterr().err
+
+
+def test_a_prefill_over_several_steps_is_timed_to_its_end(tiny_model_dir: Path) -> None:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_model_dir), max_num_seqs=2, max_num_batched_tokens=16)
+    ids = ["long", "short"]
+    llm.engine.add_request("long", step_revisions.prompt_of(llm, 0, 40), SamplingParams(max_tokens=4))
+    llm.engine.add_request("short", step_revisions.prompt_of(llm, 1, 6), SamplingParams(max_tokens=4))
+    assert step_revisions.prefill(llm.engine, ids) == 3  # 46 prompt tokens, 16 a step
+    assert all(seq.num_output_tokens == 1 for request_id in ids for seq in llm.engine.groups[request_id].seqs)

@@ -90,6 +90,13 @@ def test_no_rows_give_an_empty_result(kernels: ModuleType) -> None:
     assert got.shape == (0, 40)
 
 
+def test_no_features_give_the_bias(kernels: ModuleType) -> None:
+    bias = torch.randn(40)
+    packed = kernels.bf16_pack_weight(torch.empty(40, 0, dtype=torch.bfloat16))
+    got = kernels.bf16_linear(torch.empty(3, 0, dtype=torch.bfloat16), packed, bias, 0, 40)
+    assert_rounded_once(got, bias.double().expand(3, 40))
+
+
 def test_a_non_contiguous_input_is_read_as_its_values(kernels: ModuleType) -> None:
     torch.manual_seed(2)
     weight = torch.randn(48, 64).to(torch.bfloat16)

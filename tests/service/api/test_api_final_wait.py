@@ -107,25 +107,30 @@ def test_many_waiters_share_one_connection_and_each_ends_with_its_job(
     """Non-streaming waits read through the event loop's one shared reader: no connection per request."""
     job_ids = [_running_job(client, auth_headers, f"waiter {i}") for i in range(WAITERS)]
 
-    async def wait_all() -> tuple[list[FinalEvent], int]:
-        async def wait(job_id: str) -> FinalEvent:
+    async def wait_all() -> tuple[list[tuple[float, FinalEvent]], list[float], int]:
+        async def wait(job_id: str) -> tuple[float, FinalEvent]:
+            # idle waits of 5 s: the store is not asked before then, so only the final entry can end a wait sooner
             async with aclosing(follow_final(job_id, 5000)) as follower:
                 async for event in follower:
                     if isinstance(event, FinalEvent):
-                        return event
+                        return time.monotonic(), event
             raise AssertionError(f"{job_id} ended without its final event")
 
         connections_before = await asyncio.to_thread(_connections_received)
         waits = [asyncio.create_task(wait(job_id)) for job_id in job_ids]
         await asyncio.sleep(0.3)  # every waiter is in the shared read
+        succeeded_at = {}
         for job_id in reversed(job_ids):
             await asyncio.to_thread(_succeed, job_id, job_id[-4:])
-        finals = await asyncio.gather(*waits)
-        return finals, await asyncio.to_thread(_connections_received) - connections_before
+            succeeded_at[job_id] = time.monotonic()
+        ended = await asyncio.gather(*waits)
+        connections = await asyncio.to_thread(_connections_received) - connections_before
+        return ended, [succeeded_at[job_id] for job_id in job_ids], connections
 
-    finals, connections = asyncio.run(asyncio.wait_for(wait_all(), timeout=30))
-    assert [final.job.id for final in finals] == job_ids
-    assert all(final.job.output and final.job.output[0]["text"] == final.job.id[-4:] for final in finals)
+    ended, succeeded_at, connections = asyncio.run(asyncio.wait_for(wait_all(), timeout=30))
+    for (ended_at, final), job_succeeded_at in zip(ended, succeeded_at, strict=True):
+        assert final.job.status is JobStatus.succeeded and final.job.output[0]["text"] == final.job.id[-4:]
+        assert ended_at - job_succeeded_at < 2.0, "a wait ended by the store check, not by its final entry"
     # the reader and its wake-ups: two; a connection per wait would be 16
     assert connections <= 4, f"{connections} new Redis connections for {WAITERS} waits"
 
