@@ -156,7 +156,7 @@ struct alignas(64) TileConfig {
 
 // A pass's sums (32 rows x the block's 32 outputs, fp32) on their way to y as bf16: with more than a tile of rows,
 // rounded and written a few rows at a time between the next pass's products, so that the vector unit rounds while the
-// tiles multiply (oneDNN's AMX kernels interleave their tile stores likewise): 8-18% less time per layer at 64-2,048
+// tiles multiply (oneDNN's AMX kernels interleave their tile stores likewise): 2-18% less time per layer at 32-2,048
 // rows of SmolLM2's layers than writing each pass out after it (paired, 2-vCPU Emerald Rapids).
 struct PassSums {
   alignas(64) float sums[2 * kTileRows][kBlockOutputs];
