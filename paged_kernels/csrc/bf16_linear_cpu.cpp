@@ -233,11 +233,14 @@ void amx_linear(const at::BFloat16* x, int64_t rows, int64_t in_features, const 
     const TileConfig whole(2, kTileRows), last(rest > kTileRows ? 2 : 1, rest > kTileRows ? rest - kTileRows : rest);
     const TileConfig* loaded = nullptr;
     PassSums sums[2];  // the pass in the tiles fills sums[done % 2] while sums[(done + 1) % 2] is written out
+    sums[0].out_features = sums[1].out_features = out_features;
     int64_t done = 0;
     for (int64_t chunk = 0; chunk < passes; chunk += chunk_passes) {
       for (int64_t block = begin; block < end; ++block) {
         const uint16_t* weights = w + block * pairs * kBlockOutputs * 2;
         const int64_t first = block * kBlockOutputs, outputs = std::min(kBlockOutputs, out_features - first);
+        const __mmask16 low = output_lanes(0, outputs), high = output_lanes(kTileRows, outputs);
+        const __m512 bias_low = bias_lanes(bias, first, low), bias_high = bias_lanes(bias, first + kTileRows, high);
         for (int64_t pass = chunk; pass < std::min(passes, chunk + chunk_passes); ++pass, ++done) {
           const int64_t r0 = pass * kPassRows, pass_rows = std::min(kPassRows, rows - r0);
           const TileConfig& shapes = pass_rows == kPassRows ? whole : last;
@@ -249,13 +252,12 @@ void amx_linear(const at::BFloat16* x, int64_t rows, int64_t in_features, const 
             amx_block_pass<1>(x + r0 * in_features, in_features, weights, pairs, earlier, into);
           }
           into.y = y + r0 * out_features + first;
-          into.out_features = out_features;
           into.rows = pass_rows;
           into.written = 0;
-          into.low = output_lanes(0, outputs);
-          into.high = output_lanes(kTileRows, outputs);
-          into.bias_low = bias_lanes(bias, first, into.low);
-          into.bias_high = bias_lanes(bias, first + kTileRows, into.high);
+          into.low = low;
+          into.high = high;
+          into.bias_low = bias_low;
+          into.bias_high = bias_high;
           if (!interleave) into.write(kPassRows);
         }
       }
