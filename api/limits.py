@@ -6,6 +6,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from core.openai_responses import error_object
+
 # Room for the multipart framing around an uploaded file.
 UPLOAD_OVERHEAD_BYTES = 64 * 1024
 
@@ -64,7 +66,9 @@ class BodySizeLimit:
 
     async def _reject(self, send: Send, max_bytes: int) -> None:
         message = f"request body exceeds the limit of {max_bytes} bytes"
-        body = json.dumps({"error": {"message": message, "field": "body", "status": 413}, "detail": message})
+        # answered before any route: the job API's error fields and OpenAI's (type, param, code) in one object
+        error = {**error_object(413, message, "body"), "field": "body", "status": 413}
+        body = json.dumps({"error": error, "detail": message})
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body.encode()})

@@ -45,7 +45,7 @@ def output_items(job: Job) -> list[dict[str, Any]]:
     choice = chat_body(job, "")["choices"][0]  # a response has one
     message = choice["message"]
     calls = message.get("tool_calls") or []
-    status = "completed" if job.status is JobStatus.succeeded else "incomplete"
+    status = "completed" if _status(job) == "completed" else "incomplete"  # cut by the token limit, or cancelled
     items = []
     if message["content"] or not calls:
         logprobs = (choice["logprobs"] or {}).get("content")

@@ -1,6 +1,6 @@
 """OpenAI's Responses API, as vLLM serves it: POST /v1/responses (streamed, waited for, or in the background),
-GET /v1/responses/{id}, POST /v1/responses/{id}/cancel, and OpenAI's GET /v1/responses/{id}/input_items. A response
-is a job: its id is the job's."""
+GET /v1/responses/{id}, POST /v1/responses/{id}/cancel (idempotent), and OpenAI's GET /v1/responses/{id}/input_items.
+A response is a job: its id is the job's."""
 
 from __future__ import annotations
 
@@ -124,8 +124,11 @@ def list_input_items(
 
 @router.post("/responses/{response_id}/cancel")
 def cancel_response(response_id: str, key: CurrentKey, session: DbSession) -> dict[str, Any]:
-    """Cancel a queued or running response (400 once it finished)."""
+    """Cancel a queued or running response. Cancelling again answers the cancelled response, as OpenAI's does (its
+    background guide: cancelling twice is idempotent); a response that finished otherwise is a 400."""
     job = _response_job(session, key, response_id, "response_id")
+    if job.status is JobStatus.cancelled:
+        return response_object(job, answer_model(job))
     if job.status.is_final:
         raise ApiError(400, f"response {response_id} is already {response_object(job, '')['status']}; only a queued "
                        "or in-progress response can be cancelled", "response_id")

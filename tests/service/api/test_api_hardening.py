@@ -169,6 +169,17 @@ def test_an_oversized_chunked_body_without_content_length_is_413(
     assert response.status_code == 413 and response.json()["error"]["field"] == "body"
 
 
+def test_an_oversized_body_is_413_in_openais_error_shape_too(
+    client: TestClient, auth_headers: dict[str, str], service_settings: Settings
+) -> None:
+    body = {"model": "m", "prompt": "x" * (service_settings.max_body_bytes + 1)}
+    response = client.post("/v1/completions", json=body, headers=auth_headers)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"], error["field"]) == ("invalid_request_error", "body", None,
+                                                                              "body")
+
+
 # --- what tenants and unauthenticated callers are shown ---------------------------------------------------------
 
 

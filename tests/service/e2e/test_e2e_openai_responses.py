@@ -52,7 +52,7 @@ def test_a_response_is_the_chat_completion_of_its_instructions_and_input(
     assert response.usage is not None and response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
     cut = chat.choices[0].finish_reason == "length"
-    assert response.status == ("incomplete" if cut else "completed")
+    assert response.status == item.status == ("incomplete" if cut else "completed")
     assert (response.incomplete_details is not None) == cut
     assert response.instructions == "Answer briefly." and response.metadata == {"run": "e2e"}
     assert response.tool_choice == "auto"
@@ -111,8 +111,10 @@ def test_a_background_response_is_fetched_once_done_and_can_be_cancelled(
     long = openai_client.responses.create(model=model, input="Go on.", max_output_tokens=400, temperature=0.0,
                                           background=True)
     assert openai_client.responses.cancel(long.id).status == "cancelled"
+    again = openai_client.responses.cancel(long.id)  # idempotent, as OpenAI's: the cancelled response as it is
+    assert again.id == long.id and again.status == "cancelled"
     with pytest.raises(openai.BadRequestError, match="only a queued or in-progress response"):
-        openai_client.responses.cancel(long.id)
+        openai_client.responses.cancel(fetched.id)
     with pytest.raises(openai.BadRequestError, match="stream"):  # a stored response is not streamed
         list(openai_client.responses.retrieve(fetched.id, stream=True))
 
