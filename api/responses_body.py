@@ -93,7 +93,8 @@ def _status(job: Job) -> str:
 
 def _usage(job: Job) -> dict[str, Any]:
     prompt, completion = job.prompt_tokens or 0, job.completion_tokens or 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": job.cached_prompt_tokens or 0},
+            "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
 
 

@@ -41,6 +41,7 @@ class JobOut(BaseModel):
     webhook_url: str | None
     attempts: int
     prompt_tokens: int | None
+    cached_prompt_tokens: int | None = None  # prompt tokens the engine's prefix cache served
     completion_tokens: int | None
     text: str | None = None
     choices: list[Choice] | None = Field(None, validation_alias="output")

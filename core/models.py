@@ -119,6 +119,8 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker_id: Mapped[str | None] = mapped_column(String(255))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    # of those, the ones whose K/V the engine's prefix cache served (recorded with the result)
+    cached_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     output: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)

@@ -104,19 +104,24 @@ def echo_only(job: Job) -> bool:
     return bool((job.metadata_ or {}).get("openai_echo_only"))
 
 
-def usage(job: Job, completion_tokens: int | None = None) -> dict[str, int]:
-    """Token counts of a finished job, or of a running one that has generated `completion_tokens` so far."""
+def usage(job: Job, completion_tokens: int | None = None) -> dict[str, Any]:
+    """Token counts of a finished job, or of a running one that has generated `completion_tokens` so far; the prompt
+    tokens the prefix cache served as OpenAI's `prompt_tokens_details.cached_tokens` (recorded with the result, so 0
+    while the job runs)."""
     prompt_tokens = job.prompt_tokens or 0
     completion_tokens = job.completion_tokens or 0 if completion_tokens is None else completion_tokens
     if echo_only(job):
         completion_tokens = 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": job.cached_prompt_tokens or 0}}
 
 
-def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
+def total_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     """The token counts of several jobs added up."""
-    return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    totals = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {**totals, "prompt_tokens_details": {
+        "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}}
 
 
 def chat_echo(job: Job) -> str:

@@ -103,4 +103,5 @@ class OutputProcessor:
             group.arrival_time, group.first_scheduled_time, group.first_token_time, group.finished_time)
         prompt_logprobs = list(group.prompt_logprobs) if group.params.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, finished, metrics,
-                             error=group.error, refused=group.refused, prompt_logprobs=prompt_logprobs)
+                             num_cached_tokens=group.num_cached_tokens or 0, error=group.error, refused=group.refused,
+                             prompt_logprobs=prompt_logprobs)

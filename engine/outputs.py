@@ -38,7 +38,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at its first scheduling
     new_token_ids: list[list[int]] = field(default_factory=list)
     # with SamplingParams.prompt_logprobs: per prompt token, its logprob and alternatives (None for the first)
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -256,6 +256,8 @@ class Scheduler:
             for seq in seqs:
                 self.block_manager.allocate(seq, reuse_prefix=not group.wants_prompt_logprobs)
                 seq.status = SequenceStatus.RUNNING
+            if group.num_cached_tokens is None:
+                group.num_cached_tokens = min(seqs[0].num_computed_tokens, len(group.prompt_token_ids))
             self.running.append(group)
             self._schedule_group(out, group, budget)
 

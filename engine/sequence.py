@@ -113,6 +113,9 @@ class SequenceGroup:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # prompt tokens whose K/V its first scheduling found in the prefix cache (vLLM's num_cached_tokens); None until
+    # then, and a recompute after a preemption leaves it as it was
+    num_cached_tokens: int | None = None
     generator: torch.Generator | None = None
     beam_hypotheses: list[BeamHypothesis] = field(default_factory=list)
     # next-token logits of beams that finished recomputing before their siblings did

@@ -81,7 +81,7 @@ def _finish(job: Job, to: JobStatus, **fields: Any) -> bool:
 def _result_fields(output: Any) -> dict[str, Any]:
     choices = _choices(output)
     return {"output": choices, "completion_tokens": sum(len(c["token_ids"]) for c in choices),
-            "prompt_tokens": len(output.prompt_token_ids)}
+            "prompt_tokens": len(output.prompt_token_ids), "cached_prompt_tokens": output.num_cached_tokens}
 
 
 def _keep_cancelled_output(job: Job, output: Any | None) -> None:

@@ -76,8 +76,13 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_model_dir: Path) -> N
     computed = stats.prompt_tokens - prompt_tokens_before
     assert stats.prefix_cache_hits > 0
     assert computed < len(second[0].prompt_token_ids) // 2
+    # each output says how many of its prompt's tokens the cache served: those the engine did not compute
+    assert first[0].num_cached_tokens == 0
+    assert second[0].num_cached_tokens == len(second[0].prompt_token_ids) - computed
+    assert second[0].num_cached_tokens % cached.engine.config.block_size == 0
     uncached = tiny_llm(tiny_model_dir, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
     assert [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids] == [o.outputs[0].token_ids for o in uncached]
+    assert [output.num_cached_tokens for output in uncached] == [0, 0]
 
 
 def test_prefix_cache_hits_evicts_under_pressure_and_hits_again_with_unchanged_outputs(tiny_model_dir: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +66,23 @@ def test_completion_has_text_usage_and_is_a_job(
     job = httpx.get(f"{live_api}/v1/jobs/{completion.id}", headers=auth_headers).json()
     assert job["status"] == "succeeded" and job["text"] == choice.text
     assert job["metadata"]["user"] == "alice" and job["params"]["temperature"] == 0.0
+
+
+def test_a_repeated_prompt_reports_the_prompt_tokens_the_prefix_cache_served(
+    openai_client: openai.OpenAI, model: str, live_api: str, auth_headers: dict[str, str]
+) -> None:
+    prompt = f"{uuid.uuid4().hex}: " + "A long preamble about foxes, dogs and their quarrels. " * 6  # new to the cache
+    params = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+    first = openai_client.completions.create(**params)
+    streamed = list(openai_client.completions.create(**params, stream=True, stream_options={"include_usage": True}))
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    usage = streamed[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < usage.prompt_tokens == first.usage.prompt_tokens  # whole blocks, never the last token
+    job = httpx.get(f"{live_api}/v1/jobs/{streamed[-1].id}", headers=auth_headers).json()
+    assert job["cached_prompt_tokens"] == cached
 
 
 def test_completion_with_n_and_logprobs_gives_the_models_logprobs(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +79,18 @@ def test_a_streamed_response_sends_typed_events_whose_deltas_make_its_text(
     assert len(streamed) == events[-1].response.usage.output_tokens and "".join(lp.token for lp in streamed) == text
     assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in final]
     assert all(len(lp.top_logprobs) == 2 for lp in final)
+
+
+def test_a_repeated_input_reports_the_input_tokens_the_prefix_cache_served(
+    openai_client: openai.OpenAI, model: str
+) -> None:
+    text = f"{uuid.uuid4().hex}: " + "Tell me about foxes, dogs and their quarrels. " * 6  # new to the cache
+    first, again = (openai_client.responses.create(model=model, input=text, max_output_tokens=2, temperature=0.0)
+                    for _ in range(2))
+    assert first.usage is not None and again.usage is not None
+    # the chat template's opening, which earlier requests shared, may be cached already: the user's text is not
+    cached_first, cached_again = (r.usage.input_tokens_details.cached_tokens for r in (first, again))
+    assert cached_first < cached_first + len(text) // 8 <= cached_again < again.usage.input_tokens
 
 
 def test_previous_response_id_continues_the_conversation_without_its_instructions(
