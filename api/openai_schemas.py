@@ -572,10 +572,12 @@ class ChatCompletionRequest(OpenAIRequest):
         mode = self._tool_mode()
         if not mode:
             return echoed
+        # parallel_tool_calls false: a forced "required" call's grammar admits one call, a parser's first is kept
+        single: dict[str, MetadataValue] = {} if self.parallel_tool_calls else {"openai_parallel_tool_calls": False}
         if not mode.startswith(AUTO_PREFIX):  # a forced call's grammar admits the tools' names alone
-            return {**echoed, "openai_tool_choice": mode}
+            return {**echoed, **single, "openai_tool_choice": mode}
         # a parser reads whatever name the model writes: only the tools' names become calls
-        return {**echoed, "openai_tool_choice": mode,
+        return {**echoed, **single, "openai_tool_choice": mode,
                 "openai_tool_names": ",".join(t.function.name for t in self.tools or [])}
 
     def sent_as(self) -> dict[str, str]:

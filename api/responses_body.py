@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.models import Job, JobStatus
-from core.openai_responses import chat_body, job_failure
+from core.openai_responses import chat_body, job_failure, parallel_tool_calls
 from core.tool_calls import NAMED_PREFIX, REQUIRED
 
 # a job's state -> the response's status (a finished job is "completed", or "incomplete" when cut by the token limit)
@@ -145,7 +145,8 @@ def response_object(job: Job, model: str, tools: list[dict[str, Any]] | None = N
         "temperature": params.get("temperature"), "top_p": params.get("top_p"),
         "top_logprobs": params.get("logprobs"),
         "tools": tools or [], "tool_choice": "none" if meta.get("openai_tool_choice_none") else _tool_choice(mode),
-        "parallel_tool_calls": True, "previous_response_id": meta.get("openai_previous_response_id"),
+        "parallel_tool_calls": parallel_tool_calls(job),
+        "previous_response_id": meta.get("openai_previous_response_id"),
         "metadata": {k: v for k, v in meta.items() if not k.startswith("openai_") and k != "user"},
         "user": meta.get("user"),
         "text": {"format": {"type": "text"} if forced else _text_format(params.get("structured_outputs"))},

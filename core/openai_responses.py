@@ -254,13 +254,22 @@ def _call_id_prefix(job: Job, index: int) -> str:
 
 def _tool_calls(job: Job, choice: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]]] | None:
     """(content, tool calls) of a chat choice whose request asked for tool calls (forced, or "auto" read by a
-    parser); None without them, or when max_tokens cut the output off (the text is then answered as content)."""
+    parser); None without them, or when max_tokens cut the output off (the text is then answered as content). With
+    parallel_tool_calls false a parser's first call alone is answered, as vLLM does."""
     mode = _tool_mode(job)
     if mode is None or choice.get("finish_reason") == "length":
         return None
     names = (job.metadata_ or {}).get("openai_tool_names")
     offered = None if names is None else str(names).split(",")
-    return tool_calls(mode, choice["text"], _call_id_prefix(job, choice["index"]), offered)
+    parsed = tool_calls(mode, choice["text"], _call_id_prefix(job, choice["index"]), offered)
+    if parsed is None or parallel_tool_calls(job):
+        return parsed
+    return parsed[0], parsed[1][:1]
+
+
+def parallel_tool_calls(job: Job) -> bool:
+    """Whether the job's request allowed several tool calls in one answer (OpenAI's parallel_tool_calls)."""
+    return bool((job.metadata_ or {}).get("openai_parallel_tool_calls", True))
 
 
 def streamed_call_name(job: Job) -> str | None:

@@ -241,6 +241,21 @@ def test_a_finished_auto_job_answers_with_the_calls_its_parser_reads_and_the_con
     assert rest["index"] == 2
 
 
+def test_parallel_tool_calls_false_answers_with_a_parsers_first_call_alone(auto_tool_choice: None) -> None:
+    two = HERMES_TEXT + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    answers = {}
+    for parallel in (True, False):
+        request = _request(tools=[WEATHER, CLOCK], parallel_tool_calls=parallel).to_job()
+        stored = _job(AUTO_PREFIX + "hermes", [(two, "stop")])
+        stored.metadata_ = request.metadata
+        (choice,) = chat_body(stored, "m")["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look.\n"
+        answers[parallel] = [c["function"]["name"] for c in choice["message"]["tool_calls"]]
+        (delta,) = tool_call_deltas(stored, 0, {0: len("Let me look.\n")})  # a stream's end: the same calls
+        assert [c["function"]["name"] for c in delta["delta"]["tool_calls"]] == answers[parallel]
+    assert answers == {True: ["get_weather", "get_time"], False: ["get_weather"]}
+
+
 def test_a_parsed_call_of_a_function_not_offered_is_answered_as_content(auto_tool_choice: None) -> None:
     job = _request(tools=[WEATHER, CLOCK]).to_job()
     assert job.metadata is not None and job.metadata["openai_tool_names"] == "get_weather,get_time"

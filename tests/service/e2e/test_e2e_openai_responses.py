@@ -137,8 +137,9 @@ def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response
 ) -> None:
     called = openai_client.responses.create(model=model, input="Weather in Paris?", tools=[WEATHER],
                                             tool_choice={"type": "function", "name": "get_weather"},
-                                            max_output_tokens=32, temperature=0.0)
+                                            max_output_tokens=32, temperature=0.0, parallel_tool_calls=False)
     (call,) = called.output
+    assert called.parallel_tool_calls is False  # as the request gave it
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     answered = openai_client.responses.create(
@@ -151,7 +152,7 @@ def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response
         {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky": "clear"}'}],
         tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
         tool_choice="none")
-    assert answered.output_text == chat.choices[0].message.content
+    assert answered.output_text == chat.choices[0].message.content and answered.parallel_tool_calls
     # the SDK pages through the request's own items (one a page here): the output it answered, not the earlier turn
     (item,) = list(openai_client.responses.input_items.list(answered.id, limit=1))
     assert item.type == "function_call_output" and item.call_id == call.call_id and item.output == '{"sky": "clear"}'
