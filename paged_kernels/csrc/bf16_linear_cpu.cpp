@@ -30,37 +30,48 @@ int64_t blocks_of(int64_t out) { return (out + kBlockOutputs - 1) / kBlockOutput
 int64_t pairs_of(int64_t in) { return (in + 1) / 2; }
 
 #if defined(__AVX512BF16__)
-// Up to a few rows one pass takes one block and up to 12 rows (12 x 2 vectors of accumulators, 2 of weights: 26 of
-// the 32 registers); with more rows, two blocks side by side and 6 rows, which loads fewer rows' pairs per product
-// (3-4% faster at 256-512 rows on a Zen 4)
-constexpr int64_t kFewRows = 12;
-constexpr int64_t kManyRows = 6;
+// A pass takes one block and up to 12 rows (12 x 2 vectors of accumulators, 2 of weights: 26 of the 32 registers);
+// more rows take more passes, which read the block from L2
+constexpr int64_t kBlockPassRows = 12;
 
-// For R rows (each `pairs` bf16 pairs, row r at x + 2 * r * stride) and B adjacent blocks of weights: sums[r][v] =
-// the products for the passes's outputs 16 v to 16 v + 15, as fp32 vectors. Each pair of a row is broadcast to all
-// lanes and multiplied into every vector of the blocks' pair.
-template <int64_t R, int64_t B>
+// A pass of at least kReadAheadRows rows reads the weights this far ahead of the pair it multiplies into L2
+// (prefetcht1). From about 6 rows a pass multiplies more per byte of weights than memory delivers (12 vdpbf16ps per
+// 128 bytes), and the hardware prefetchers alone left it waiting on memory: the layer took about the time of reading
+// its weights plus that of multiplying by all but its first pass's rows. SmolLM2's linear layers, weights from
+// memory, paired in one process on a 2-vCPU Zen 4: 0.80-0.85x the time at 12-16 rows, 0.96-0.97x at 8; 1 and 2 KiB
+// ahead were slower at 12 rows (1.6x, 1.2x of 4 KiB's time), 8 KiB 1.05x. With fewer rows a pass is bound by memory
+// and reading ahead was 1.06-1.16x slower at 3-5 rows. With it, passes of 12 rows over one block beat the passes of
+// 6 rows over two blocks side by side that took more than 12 rows before (fewer row pairs loaded per product):
+// 0.89-0.92x the time at 25-48 rows, 0.95-0.98x at 64-2,048.
+constexpr int64_t kReadAheadRows = 6;
+constexpr int64_t kReadAheadBytes = 4096;
+
+// For R rows (each `pairs` bf16 pairs, row r at x + 2 * r * stride) and one block of weights: sums[r][v] = the
+// products for the block's outputs 16 v to 16 v + 15, as fp32 vectors. Each pair of a row is broadcast to all lanes
+// and multiplied into both vectors of the block's pair.
+template <int64_t R>
 void block_pass(const at::BFloat16* x, int64_t stride, const uint16_t* weights, int64_t pairs,
-                __m512 (&sums)[R][B * kVectors]) {
-  constexpr int64_t V = B * kVectors;
+                __m512 (&sums)[R][kVectors]) {
 #pragma GCC unroll 12
   for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < V; ++v) sums[r][v] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_ps();
   }
-  const int64_t block_elements = pairs * kBlockOutputs * 2;
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh w[V];
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < V; ++v) {
-      const int64_t block = v / kVectors, lane0 = (v % kVectors) * 16;
-      w[v] = (__m512bh)_mm512_loadu_si512(weights + block * block_elements + (p * kBlockOutputs + lane0) * 2);
+    __m512bh w[kVectors];
+#pragma GCC unroll 2
+    for (int64_t v = 0; v < kVectors; ++v) {
+      const uint16_t* vector = weights + (p * kBlockOutputs + v * 16) * 2;
+      if constexpr (R >= kReadAheadRows) {  // a prefetch never faults, past the weights' end too
+        __builtin_prefetch(reinterpret_cast<const char*>(vector) + kReadAheadBytes, 0, 2);
+      }
+      w[v] = (__m512bh)_mm512_loadu_si512(vector);
     }
 #pragma GCC unroll 12
     for (int64_t r = 0; r < R; ++r) {
       const __m512bh row = (__m512bh)_mm512_set1_epi32(pair_bits(x + 2 * (r * stride + p)));
-#pragma GCC unroll 4
-      for (int64_t v = 0; v < V; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], row, w[v]);
+#pragma GCC unroll 2
+      for (int64_t v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], row, w[v]);
     }
   }
 }
@@ -81,10 +92,10 @@ void store_rounded(__m512 sum, __m512 bias, __mmask16 lanes, at::BFloat16* y) {
 }
 
 // y[r][first + o] = bf16(sums[r][o / 16] + bias) for the pass's `outputs` valid outputs
-template <int64_t R, int64_t V>
-void store_sums(const __m512 (&sums)[R][V], const float* bias, int64_t first, int64_t outputs, at::BFloat16* y,
+template <int64_t R>
+void store_sums(const __m512 (&sums)[R][kVectors], const float* bias, int64_t first, int64_t outputs, at::BFloat16* y,
                 int64_t out_features) {
-  for (int64_t v = 0; v < V; ++v) {
+  for (int64_t v = 0; v < kVectors; ++v) {
     const __mmask16 lanes = output_lanes(v * 16, outputs);
     if (lanes == 0) break;
     const __m512 b = bias_lanes(bias, first + v * 16, lanes);
@@ -93,28 +104,27 @@ void store_sums(const __m512 (&sums)[R][V], const float* bias, int64_t first, in
 }
 
 // block_pass and store_sums for `rows` rows, 1 to R: only those are instantiated
-template <int64_t B, int64_t R>
-void rows_through_blocks(int64_t rows, const at::BFloat16* x, int64_t stride, const uint16_t* weights, int64_t pairs,
-                         const float* bias, int64_t first, int64_t outputs, at::BFloat16* y, int64_t out_features) {
+template <int64_t R>
+void rows_through_block(int64_t rows, const at::BFloat16* x, int64_t stride, const uint16_t* weights, int64_t pairs,
+                        const float* bias, int64_t first, int64_t outputs, at::BFloat16* y, int64_t out_features) {
   if constexpr (R > 1) {
     if (rows < R) {
-      return rows_through_blocks<B, R - 1>(rows, x, stride, weights, pairs, bias, first, outputs, y, out_features);
+      return rows_through_block<R - 1>(rows, x, stride, weights, pairs, bias, first, outputs, y, out_features);
     }
   }
-  __m512 sums[R][B * kVectors];
-  block_pass<R, B>(x, stride, weights, pairs, sums);
-  store_sums<R, B * kVectors>(sums, bias, first, outputs, y, out_features);
+  __m512 sums[R][kVectors];
+  block_pass<R>(x, stride, weights, pairs, sums);
+  store_sums<R>(sums, bias, first, outputs, y, out_features);
 }
 
-// every row through B adjacent blocks starting at `block`, R rows a pass
-template <int64_t B, int64_t R>
-void all_rows_through_blocks(int64_t block, int64_t rows, const at::BFloat16* x, int64_t pairs, const uint16_t* w,
-                             const float* bias, at::BFloat16* y, int64_t out_features) {
+// every row through the block `block`, kBlockPassRows rows a pass
+void all_rows_through_block(int64_t block, int64_t rows, const at::BFloat16* x, int64_t pairs, const uint16_t* w,
+                            const float* bias, at::BFloat16* y, int64_t out_features) {
   const uint16_t* weights = w + block * pairs * kBlockOutputs * 2;
-  const int64_t first = block * kBlockOutputs, outputs = std::min(B * kBlockOutputs, out_features - first);
-  for (int64_t r0 = 0; r0 < rows; r0 += R) {  // the blocks' later passes read them from L2
-    rows_through_blocks<B, R>(std::min(R, rows - r0), x + 2 * r0 * pairs, pairs, weights, pairs, bias, first, outputs,
-                              y + r0 * out_features, out_features);
+  const int64_t first = block * kBlockOutputs, outputs = std::min(kBlockOutputs, out_features - first);
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlockPassRows) {  // the block's later passes read it from L2
+    rows_through_block<kBlockPassRows>(std::min(kBlockPassRows, rows - r0), x + 2 * r0 * pairs, pairs, weights,
+                                       pairs, bias, first, outputs, y + r0 * out_features, out_features);
   }
 }
 #endif
@@ -332,24 +342,12 @@ torch::Tensor bf16_linear(torch::Tensor input, torch::Tensor packed, torch::Tens
   auto out = torch::empty({rows, out_features}, input.options());
   const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
   at::BFloat16* y = out.data_ptr<at::BFloat16>();
-  // each thread takes a run of blocks (pairs of them for many rows): a run stays in L2 while every row passes over it
-  if (rows <= kFewRows) {
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t block = begin; block < end; ++block) {
-        all_rows_through_blocks<1, kFewRows>(block, rows, xs, pairs, w, b, y, out_features);
-      }
-    });
-  } else {
-    at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t block = 2 * begin; block < std::min(2 * end, blocks); block += 2) {
-        if (block + 1 < blocks) {
-          all_rows_through_blocks<2, kManyRows>(block, rows, xs, pairs, w, b, y, out_features);
-        } else {
-          all_rows_through_blocks<1, kManyRows>(block, rows, xs, pairs, w, b, y, out_features);
-        }
-      }
-    });
-  }
+  // each thread takes a run of blocks: a block stays in L2 while every row passes over it
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      all_rows_through_block(block, rows, xs, pairs, w, b, y, out_features);
+    }
+  });
   return out;
 #else
   TORCH_CHECK(false, "bf16_linear: this build has no AVX512-BF16 (the CPU lacks it): use oneDNN's bf16 linear");

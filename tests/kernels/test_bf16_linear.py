@@ -1,6 +1,6 @@
 """The CPU's AVX512-BF16 linear (``bf16_pack_weight`` + ``bf16_linear``) is the fp32-summed product of bf16 rows and
-bf16 weights, rounded to bf16 once, at any row count (its few-rows and many-rows passes, and its AMX tiles where the
-CPU has them) and any layer shape."""
+bf16 weights, rounded to bf16 once, at any row count (its passes of up to 12 rows, and its AMX tiles where the CPU
+has them) and any layer shape."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def assert_rounded_once(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 # shapes off the kernel's blocks (32 outputs, pairs of features): odd widths, a last block of a few outputs, an odd
-# number of blocks (the many-rows pass takes two blocks at a time), widths of whole AMX steps (32 features) with a
+# number of blocks (a thread's run of blocks ends anywhere), widths of whole AMX steps (32 features) with a
 # last block of 8 outputs, of 1 and of 18 (its second tile of 16 outputs partly used), and SmolLM2's
 SHAPES = [(1, 2), (5, 37), (67, 100), (96, 33), (40, 64), (33, 32), (50, 64), (192, 576), (576, 1536)]
 
