@@ -5,10 +5,14 @@ for SmolLM2, so that a pass reads them from memory, as a decode step does), pack
 pass calls every layer once on random rows. The layouts are called in turn, ``--repeats`` times per row count, and
 each one's fastest pass counts. fp32 models: our fp16 kernel (``fp16``, the default where it builds), fbgemm's fp16
 (``fbgemm-fp16``, its head split by rows as the engine holds it) and oneDNN's packed fp32 (``onednn``); bf16 models:
-our bf16 kernel (``bf16``, where the CPU has AVX512-BF16) and oneDNN's packed bf16 (``onednn``). Writes JSON (the
-machine, every time), a table and a plot of each layout's time over the baseline's per row count.
+our bf16 kernel (``bf16``, where the CPU has AVX512-BF16) and oneDNN's packed bf16 (``onednn``). ``--base REV``
+adds our kernel as a git revision builds it (``fp16@base`` / ``bf16@base``, the kernels of that revision's
+``paged_kernels/csrc/`` loaded beside the working tree's, as ``benchmarks.kernel_revisions`` loads them), in the same
+passes. Writes JSON (the machine, every time), a table and a plot of each layout's time over the baseline's per row
+count.
 
     .venv/bin/python -m benchmarks.linear_layers --dtype float32 --rows 1 2 4 8 32 128 512
+    .venv/bin/python -m benchmarks.linear_layers --dtype bfloat16 --base HEAD~1 --baseline bf16@base --rows 1 16 64
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, save_with_legend, write_json
+from benchmarks.kernel_revisions import kernels_from, resolve_revision, sources_at
 from benchmarks.numerics import layers_pass, outermost_linear_layers, paired_min_s
 from engine.model_files import resolve_model
 from engine.models import cpu_packing, loader
@@ -30,16 +35,21 @@ from paged_kernels import reference
 CPU = torch.device("cpu")
 
 
-def layouts_for(dtype: torch.dtype) -> dict[str, type[nn.Module]]:
-    """The layouts this machine can run for ``dtype``, the baseline (the one the others are divided by) last."""
+def layouts_for(dtype: torch.dtype, base_commit: str | None = None) -> dict[str, type[nn.Module]]:
+    """The layouts this machine can run for ``dtype``, the baseline (the one the others are divided by) last; with
+    ``base_commit``, our kernel as that commit builds it too."""
     if dtype == torch.float32:
         layouts: dict[str, type[nn.Module]] = {}
         if cpu_packing.fp16_kernel_applies():
             layouts["fp16"] = cpu_packing.Fp16Linear
         if cpu_packing.has_fbgemm_fp16():
             layouts["fbgemm-fp16"] = cpu_packing.FbgemmFp16Linear
-        return {**layouts, "onednn": cpu_packing.PackedLinear}
-    layouts = {"bf16": cpu_packing.Bf16Linear} if cpu_packing.bf16_kernel_applies() else {}
+    else:
+        layouts = {"bf16": cpu_packing.Bf16Linear} if cpu_packing.bf16_kernel_applies() else {}
+    if base_commit is not None and layouts:
+        ours = next(iter(layouts))
+        build = kernels_from(sources_at(base_commit))
+        layouts[f"{ours}@base"] = type(f"{layouts[ours].__name__}AtBase", (layouts[ours],), {"build": build})
     return {**layouts, "onednn": cpu_packing.PackedLinear}
 
 
@@ -52,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="passes per layout and row count (the fastest counts)")
     parser.add_argument("--baseline", default=None, help="the layout the others are divided by (default: fbgemm-fp16 "
                         "for fp32 where it runs, else onednn)")
+    parser.add_argument("--base", default=None, help="a git revision whose build of our kernel runs too (as "
+                        "fp16@base / bf16@base)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="linear-layers")
     args = parser.parse_args(argv)
@@ -88,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     """Pack every layout, time the passes, print the table, write JSON and the plot."""
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    layouts = layouts_for(dtype)
+    base_commit = None if args.base is None else resolve_revision(args.base)
+    layouts = layouts_for(dtype, base_commit)
     baseline = args.baseline or ("fbgemm-fp16" if "fbgemm-fp16" in layouts else "onednn")
     if baseline not in layouts:
         raise SystemExit(f"--baseline must be one of this machine's layouts for {args.dtype}: {', '.join(layouts)}")
@@ -106,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["rows", *(f"{name}_ms" for name in layouts),
                *(f"{name}_over_{baseline}" for name in layouts if name != baseline)]
     print_table(f"{args.model} linear layers ({args.dtype}), fastest of {args.repeats} passes", results, columns)
-    write_json(args.name, {"machine": machine(), "args": {**vars(args), "out": str(args.out)}, "baseline": baseline,
+    write_json(args.name, {"machine": machine(), "args": {**vars(args), "out": str(args.out)},
+                           "base_commit": base_commit, "baseline": baseline,
                            "layouts": list(layouts), "results": results}, args.out)
     plot(results, list(layouts), baseline, args.out / f"{args.name}.png")
 

@@ -30,6 +30,7 @@ Its LM head (49,152 outputs) is packed both ways: fbgemm's fp16 ran it 2.4x fast
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -63,10 +64,11 @@ class CompiledLinear(nn.Module):
     kernel: str
     weight_dtype: torch.dtype
     needs: str  # what the kernel's build needs of the CPU, for the error where it is absent
+    build: ModuleType | None = None  # a build of the kernels other than the engine's (benchmarks.linear_layers --base)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        kernels = cpu_kernels()
+        kernels = self.build or cpu_kernels()
         if kernels is None or not getattr(kernels, f"has_{self.kernel}_linear")():
             raise RuntimeError(f"{type(self).__name__} needs the CPU's compiled kernels built with {self.needs}, which "
                                "this machine lacks: use cpu_weight_packing='onednn'")

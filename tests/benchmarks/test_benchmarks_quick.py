@@ -114,6 +114,20 @@ def test_linear_layers_times_every_layout_against_the_baseline(tiny_model_dir: P
                                                                           / result[f"{baseline}_ms"])
 
 
+@pytest.mark.skipif(not (cpu_packing.fp16_kernel_applies() or cpu_packing.bf16_kernel_applies()),
+                    reason="no kernel of ours runs fp32 or bf16 linears here")
+def test_linear_layers_times_a_revisions_build_of_our_kernel_beside_the_working_trees(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    dtype, ours = ("bfloat16", "bf16") if cpu_packing.bf16_kernel_applies() else ("float32", "fp16")
+    linear_layers.main(["--model", str(tiny_model_dir), "--dtype", dtype, "--rows", "2", "--repeats", "2",
+                        "--base", "HEAD", "--baseline", f"{ours}@base", "--out", str(tmp_path)])
+    payload = _written(tmp_path, "linear-layers")
+    assert payload["layouts"][:2] == [ours, f"{ours}@base"] and len(payload["base_commit"]) == 40
+    (result,) = payload["results"]
+    assert result[f"{ours}_over_{ours}@base"] == pytest.approx(result[f"{ours}_ms"] / result[f"{ours}@base_ms"])
+
+
 def test_linear_layers_refuses_a_baseline_the_machine_lacks(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--baseline must be one of"):
         linear_layers.main(["--model", str(tiny_model_dir), "--baseline", "nope", "--out", str(tmp_path)])
