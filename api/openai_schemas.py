@@ -568,16 +568,16 @@ class ChatCompletionRequest(OpenAIRequest):
         # message's own when no generation prompt starts a new one)
         final = self.messages[-1]
         echoes = self.echo and (final.role == "assistant" or not self.add_generation_prompt)
-        echoed = {"openai_chat_echo": final.as_job_message()["content"]} if echoes else {}
+        kept: dict[str, MetadataValue] = {"openai_chat_echo": final.as_job_message()["content"]} if echoes else {}
+        if not self.parallel_tool_calls:  # "required"'s grammar admits one call, a parser's first is kept; echoed
+            kept["openai_parallel_tool_calls"] = False
         mode = self._tool_mode()
         if not mode:
-            return echoed
-        # parallel_tool_calls false: a forced "required" call's grammar admits one call, a parser's first is kept
-        single: dict[str, MetadataValue] = {} if self.parallel_tool_calls else {"openai_parallel_tool_calls": False}
+            return kept
         if not mode.startswith(AUTO_PREFIX):  # a forced call's grammar admits the tools' names alone
-            return {**echoed, **single, "openai_tool_choice": mode}
+            return {**kept, "openai_tool_choice": mode}
         # a parser reads whatever name the model writes: only the tools' names become calls
-        return {**echoed, **single, "openai_tool_choice": mode,
+        return {**kept, "openai_tool_choice": mode,
                 "openai_tool_names": ",".join(t.function.name for t in self.tools or [])}
 
     def sent_as(self) -> dict[str, str]:

@@ -46,9 +46,13 @@ def layouts_for(dtype: torch.dtype, base_commit: str | None = None) -> dict[str,
             layouts["fbgemm-fp16"] = cpu_packing.FbgemmFp16Linear
     else:
         layouts = {"bf16": cpu_packing.Bf16Linear} if cpu_packing.bf16_kernel_applies() else {}
-    if base_commit is not None and layouts:
-        ours = next(iter(layouts))
+    if base_commit is not None:
+        ours = next((name for name, layout in layouts.items() if issubclass(layout, cpu_packing.CompiledLinear)), None)
+        if ours is None:
+            raise SystemExit(f"--base: no kernel of ours runs {dtype} linear layers on this machine")
         build = kernels_from(sources_at(base_commit))
+        if not hasattr(build, f"{ours}_linear"):
+            raise SystemExit(f"--base: commit {base_commit[:12]} has no {ours}_linear kernel")
         layouts[f"{ours}@base"] = type(f"{layouts[ours].__name__}AtBase", (layouts[ours],), {"build": build})
     return {**layouts, "onednn": cpu_packing.PackedLinear}
 

@@ -33,7 +33,7 @@ FLAGS_WITHOUT_EFFECT: dict[str, tuple[bool, str]] = {
     "--distributed-executor-backend": (True, "one worker process runs one engine"),
     "--guided-decoding-backend": (True, "structured outputs always use llguidance"),
     "--scheduling-policy": (True, "jobs are scheduled by priority (equal priorities first come, first served)"),
-    "--enable-prompt-tokens-details": (False, "usage has no prompt_tokens_details"),
+    "--enable-prompt-tokens-details": (False, "usage always has prompt_tokens_details.cached_tokens"),
     "--enable-force-include-usage": (False, "usage comes with stream_options.include_usage, as OpenAI's"),
     "--response-role": (True, "a chat answer's role is assistant"),
     "--chat-template-content-format": (True, "a message's text parts reach the chat template joined as text"),

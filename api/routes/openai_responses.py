@@ -134,6 +134,9 @@ def cancel_response(response_id: str, key: CurrentKey, session: DbSession) -> di
                        "or in-progress response can be cancelled", "response_id")
     try:
         job = cancel_job(session, key, response_id)
-    except ApiError as exc:  # it finished meanwhile
+    except ApiError as exc:  # it finished meanwhile, or another cancel came first
+        session.refresh(job)
+        if job.status is JobStatus.cancelled:
+            return response_object(job, answer_model(job))
         raise ApiError(400, f"response {response_id} finished before it could be cancelled", "response_id") from exc
     return response_object(job, answer_model(job))

@@ -11,9 +11,11 @@ Decode steps at a few rows are bound by reading the weights. Where the CPU has A
 run our compiled kernel (``paged_kernels/csrc/bf16_linear_cpu.cpp``, ``Bf16Linear``), whose layout is read in one
 sequential pass: SmolLM2's linear layers took 0.47x oneDNN's packed bf16 time at 1 row, 0.41x at 2, 0.59x at 4,
 0.61x at 8, 0.85x at 32 and 0.94x at 128 (``benchmarks.numerics``), and 0.99x at 512 rows (30 distinct layers and
-the head, past the L3), on a 2-vCPU Zen 4. Where the CPU has AMX tiles too, the kernel multiplies in them, as
-oneDNN does; the ratios to oneDNN's time on a 2-vCPU Emerald Rapids are in BENCHMARKS.md. Sums are fp32 in another
-order than oneDNN's, so bf16 results can differ from ``F.linear``'s by rounding.
+the head, past the L3), on a 2-vCPU Zen 4 (the twentieth session's kernel; since the twenty-ninth a pass of 6 rows or
+more reads ahead: 0.82-0.93x that kernel's time at 12-64 rows, BENCHMARKS.md). Where the CPU has AMX tiles too,
+the kernel multiplies in them, as oneDNN does; the ratios to oneDNN's time on a 2-vCPU Emerald Rapids are in
+BENCHMARKS.md. Sums are fp32 in another order than oneDNN's, so bf16 results can differ from ``F.linear``'s by
+rounding.
 
 Decode steps of an fp32 model are bound by reading the weights too, and fp16 weights halve the bytes, while rounding
 each weight to 11 significant bits (bf16 keeps 8). Where the CPU has AVX2, F16C and FMA, an fp32 model's layers run

@@ -62,8 +62,9 @@ void block_pass(const at::BFloat16* x, int64_t stride, const uint16_t* weights, 
 #pragma GCC unroll 2
     for (int64_t v = 0; v < kVectors; ++v) {
       const uint16_t* vector = weights + (p * kBlockOutputs + v * 16) * 2;
-      if constexpr (R >= kReadAheadRows) {  // a prefetch never faults, past the weights' end too
-        __builtin_prefetch(reinterpret_cast<const char*>(vector) + kReadAheadBytes, 0, 2);
+      if constexpr (R >= kReadAheadRows) {  // a prefetch never faults, past the weights' end too (an address as an
+        // integer: a pointer past the end of the weights would be undefined in C++)
+        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(vector) + kReadAheadBytes), 0, 2);
       }
       w[v] = (__m512bh)_mm512_loadu_si512(vector);
     }

@@ -55,7 +55,7 @@ SHAPES = [(1, 2), (5, 37), (67, 100), (96, 33), (40, 64), (33, 32), (50, 64), (1
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-@pytest.mark.parametrize("num_rows", [1, 2, 5, 12, 13, 16, 19, 32, 40, 48, 71])
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 6, 10, 12, 13, 16, 19, 32, 40, 48, 71])
 def test_bf16_linear_is_the_fp32_summed_product_rounded_once(
     kernels: ModuleType, out_features: int, in_features: int, num_rows: int,
 ) -> None:
