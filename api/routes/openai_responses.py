@@ -127,16 +127,12 @@ def cancel_response(response_id: str, key: CurrentKey, session: DbSession) -> di
     """Cancel a queued or running response. Cancelling again answers the cancelled response, as OpenAI's does (its
     background guide: cancelling twice is idempotent); a response that finished otherwise is a 400."""
     job = _response_job(session, key, response_id, "response_id")
-    if job.status is JobStatus.cancelled:
-        return response_object(job, answer_model(job))
-    if job.status.is_final:
+    if not job.status.is_final:
+        try:
+            job = cancel_job(session, key, response_id)
+        except ApiError:  # it finished meanwhile, or another cancel came first
+            session.refresh(job)
+    if job.status is not JobStatus.cancelled:
         raise ApiError(400, f"response {response_id} is already {response_object(job, '')['status']}; only a queued "
                        "or in-progress response can be cancelled", "response_id")
-    try:
-        job = cancel_job(session, key, response_id)
-    except ApiError as exc:  # it finished meanwhile, or another cancel came first
-        session.refresh(job)
-        if job.status is JobStatus.cancelled:
-            return response_object(job, answer_model(job))
-        raise ApiError(400, f"response {response_id} finished before it could be cancelled", "response_id") from exc
     return response_object(job, answer_model(job))
