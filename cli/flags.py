@@ -24,9 +24,9 @@ API_ONLY = frozenset({
     "tool_call_parser", "api_key",
 })
 WORKER_ONLY = frozenset({
-    "cache_dir", "metrics_port", "metrics_host", "dtype", "kv_cache_memory", "swap_space", "max_num_seqs",
-    "block_size", "preemption_mode", "attention_backend", "num_threads", "cpu_weight_packing", "quantization",
-    "enforce_eager", "cuda_graph_max_batch",
+    "cache_dir", "metrics_port", "metrics_host", "dtype", "kv_cache_dtype", "kv_cache_memory", "swap_space",
+    "max_num_seqs", "block_size", "preemption_mode", "attention_backend", "num_threads", "cpu_weight_packing",
+    "quantization", "enforce_eager", "cuda_graph_max_batch",
     "gpu_memory_utilization", "max_num_batched_tokens", "enable_prefix_caching", "seed", "webhook_max_attempts",
     "webhook_backoff_s", "webhook_timeout_s", "webhook_concurrency", "webhook_concurrency_per_key", "reaper_interval_s",
     "reconcile_grace_s", "engine_stall_timeout_s",

@@ -22,7 +22,6 @@ FLAGS_WITHOUT_EFFECT: dict[str, tuple[bool, str]] = {
     "--generation-config": (True, "sampling defaults are the request's, as `--generation-config vllm`"),
     "--enable-chunked-prefill": (False, "long prompts are always prefilled in chunks of --max-num-batched-tokens"),
     "--max-logprobs": (True, "requests may ask for up to 20 logprobs per token, vLLM's default"),
-    "--kv-cache-dtype": (True, "the KV cache has the model's compute dtype"),
     "--download-dir": (True, NO_DOWNLOADS),
     "--revision": (True, NO_DOWNLOADS),
     "--code-revision": (True, NO_DOWNLOADS),

@@ -13,6 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ByteSize, Field, ValidationInfo, field_serializer, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# the names `dtype` and `kv_cache_dtype` take (engine.config.DTYPE_NAMES, which the service does not import)
+DtypeName = Literal["auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"]
+
 
 class Settings(BaseSettings):
     """Service configuration; every field is PAGEDSERVE_<NAME> in the environment and --<name> on the CLI."""
@@ -32,8 +35,12 @@ class Settings(BaseSettings):
     metrics_port: int = Field(9400, ge=1, le=65_535, description="a worker's Prometheus port")
     metrics_host: str = Field("127.0.0.1", description="where a worker serves its Prometheus metrics")
     model: str = Field("smollm2-135m-instruct", description="model name or local HF folder")
-    dtype: Literal["auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half"] = Field(
+    dtype: DtypeName = Field(
         "auto", description="weights dtype: auto = bf16 where the device computes it fast, else float32")
+    kv_cache_dtype: DtypeName = Field(
+        "auto", description="KV cache dtype (as vLLM's --kv-cache-dtype): auto = the model's dtype, but float16 for "
+        "a float32 model whose weights the CPU holds in fp16 or int8 (half the bytes to read, twice the tokens in "
+        "kv_cache_memory); else the model's dtype, or float16 / bfloat16 under a float32 model on the CPU")
     kv_cache_memory: str | None = Field(None, description="KV cache budget on the device (default: engine's choice)")
     swap_space: ByteSize = Field(ByteSize(4 << 30), description="CPU swap pool for preempted KV blocks: GiB when a "
                                  "bare number (as vLLM), or with a unit such as 512MiB")

@@ -43,6 +43,15 @@ def parse_bytes(value: int | str, name: str) -> int:
     return result
 
 
+def holds_weights_in_fp16(device: torch.device, dtype: torch.dtype, weight_packing: str,
+                          quantization: str | None) -> bool:
+    """Whether an fp32 model's linear weights are held below fp32 on this CPU: as fp16 for our F16C kernel or
+    fbgemm (``cpu_weight_packing`` ``"auto"`` or ``"fp16"`` on a CPU with AVX2, F16C and FMA), or quantized to
+    int8 there."""
+    return (device.type == "cpu" and dtype == torch.float32 and {"avx2", "f16c", "fma"} <= cpu_flags()
+            and (quantization is not None or weight_packing in ("auto", "fp16")))
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """Pick the weights dtype; ``auto`` is bf16 where it is fast (CUDA, CPUs whose bf16 beats fp32), else fp32."""
     if isinstance(dtype, torch.dtype):
@@ -74,6 +83,11 @@ class EngineConfig:
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None
+    # the KV cache's dtype: "auto" the model's, but fp16 for an fp32 model whose weights the CPU holds in fp16 or
+    # int8, under the CPU's compiled attention (decode attention then reads half the bytes, and the same memory
+    # holds twice the tokens); a name as `dtype` takes: the model's dtype, or fp16 / bf16 under an fp32 model on the
+    # CPU (not with the triton backend)
+    kv_cache_dtype: str | torch.dtype = "auto"
     gpu_memory_utilization: float = 0.9
     swap_space: int | str = "1GiB"
     max_num_seqs: int = 64
@@ -150,7 +164,33 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        self.kv_cache_torch_dtype(resolve_dtype(self.dtype, self.torch_device()))  # refuses a bad kv_cache_dtype
         self.swap_space = parse_bytes(self.swap_space, "swap_space")
+
+    def kv_cache_torch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model of ``dtype`` (``kv_cache_dtype`` resolved); raises ``ValueError`` for a
+        name it does not know, or one the kernels cannot pair with the model's dtype on this device."""
+        device = self.torch_device()
+        compiled_cpu_attention = device.type == "cpu" and self.attention_backend in (None, "cpu")
+        if self.kv_cache_dtype == "auto":
+            fp16 = compiled_cpu_attention and holds_weights_in_fp16(device, dtype, self.cpu_weight_packing,
+                                                                    self.quantization)
+            return torch.float16 if fp16 else dtype
+        if isinstance(self.kv_cache_dtype, torch.dtype):
+            cache_dtype = self.kv_cache_dtype
+        elif self.kv_cache_dtype in _DTYPES:
+            cache_dtype = _DTYPES[self.kv_cache_dtype]
+        else:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
+        # the CPU's compiled kernels widen a 16-bit cache under fp32 queries, and the plain-torch backend converts
+        # what it gathers; the Triton kernels read caches of the query's dtype only
+        narrower = (dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
+                    and device.type == "cpu" and self.attention_backend != "triton")
+        if cache_dtype != dtype and not narrower:
+            raise ValueError(
+                f"kv_cache_dtype must be the model's dtype ({dtype}), or float16 / bfloat16 under an fp32 model on "
+                f"the CPU (not with the triton backend), got {self.kv_cache_dtype!r} on {device.type}")
+        return cache_dtype
 
     def torch_device(self) -> torch.device:
         """The device the model and KV cache live on (``auto``: CUDA when available)."""

@@ -49,8 +49,8 @@ def check_kv_cache_budget(config: EngineConfig, folder: Path) -> None:
         return
     model_config = load_config(folder)
     num_kv_heads, head_dim = kv_heads_and_head_dim(model_config)
-    dtype = resolve_dtype(config.dtype, config.torch_device())
-    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, num_kv_heads, head_dim, dtype)
+    cache_dtype = config.kv_cache_torch_dtype(resolve_dtype(config.dtype, config.torch_device()))
+    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, num_kv_heads, head_dim, cache_dtype)
     blocks_in_budget(int(config.kv_cache_memory), block_bytes)
 
 
@@ -65,6 +65,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = config.kv_cache_torch_dtype(self.dtype)
         self.ops = select_backend(self.device, config.attention_backend)
         folder = resolve_model(config.model)
         self.model_name = config.model
@@ -106,8 +107,10 @@ class LLMEngine:
         self.num_steps = 0
         self._aborted: list[SequenceGroup] = []
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s blocks=%d cpu_blocks=%d block_size=%d decode graphs=%s",
-            self.model_name, self.dtype, self.device, self.num_gpu_blocks, self.num_cpu_blocks, config.block_size,
+            "engine ready: model=%s dtype=%s kv_cache_dtype=%s device=%s blocks=%d cpu_blocks=%d block_size=%d "
+            "decode graphs=%s",
+            self.model_name, self.dtype, self.kv_cache_dtype, self.device, self.num_gpu_blocks, self.num_cpu_blocks,
+            config.block_size,
             graphs.sizes if graphs else "off",
         )
 
@@ -128,7 +131,8 @@ class LLMEngine:
     def _init_cache(self) -> None:
         cfg = self.config
         model = self.model
-        block_bytes = kv_block_bytes(len(model.layers), cfg.block_size, model.num_kv_heads, model.head_dim, self.dtype)
+        block_bytes = kv_block_bytes(len(model.layers), cfg.block_size, model.num_kv_heads, model.head_dim,
+                                     self.kv_cache_dtype)
         budget = cfg.kv_cache_memory
         if budget is None:
             budget = default_kv_cache_bytes(self.device, cfg.gpu_memory_utilization)
@@ -139,7 +143,7 @@ class LLMEngine:
         )
         self.cache = CacheEngine(
             len(model.layers), self.num_gpu_blocks, self.num_cpu_blocks, cfg.block_size,
-            model.num_kv_heads, model.head_dim, self.dtype, self.device,
+            model.num_kv_heads, model.head_dim, self.kv_cache_dtype, self.device,
         )
 
     # ---- requests ------------------------------------------------------------------

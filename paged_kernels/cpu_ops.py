@@ -50,11 +50,11 @@ def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     slot_mapping: torch.Tensor, slot_range: tuple[int, int] | None = None,
 ) -> None:
-    """``paged_kernels.reference.reshape_and_cache``'s contract; rows already in the caches' dtype are copied by the
-    compiled kernel (a decode step's layer took 13 us in the reference's checks, views and two ``index_copy_``, 7 here,
-    on a Zen 4)."""
+    """``paged_kernels.reference.reshape_and_cache``'s contract; rows in the caches' dtype (or fp32 rows for 16-bit
+    caches) are written by the compiled kernel (a decode step's layer took 13 us in the reference's checks, views and
+    two ``index_copy_``, 7 here, on a Zen 4)."""
     kernels = cpu_kernels()
-    if (kernels is None or key.dtype != key_cache.dtype or not runs_compiled(key, key_cache, value_cache)
+    if (kernels is None or not runs_compiled(key, key_cache, value_cache)
             or key.stride(1) != key.shape[2] or value.stride(1) != value.shape[2]):
         reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, slot_range)
         return
@@ -69,10 +69,16 @@ class CompiledDecodePlan:
     num_queries: int
 
 
+def reads_cache_dtype(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the compiled kernels take ``dtype`` rows (queries, new K/V) with a ``cache_dtype`` cache: the same
+    dtype, or a 16-bit cache under fp32 rows (``EngineConfig.kv_cache_dtype``)."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16))
+
+
 def runs_compiled(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether decode over these tensors takes the compiled kernel."""
+    """Whether decode over these tensors (or the cache write of ``query``'s rows) takes the compiled kernels."""
     return (query.device.type == "cpu" and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and cpu_kernels() is not None)
+            and reads_cache_dtype(query.dtype, key_cache.dtype) and cpu_kernels() is not None)
 
 
 def plan_decode(

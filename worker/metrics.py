@@ -107,6 +107,7 @@ class WorkerMetrics:
         self._labels(self.cache_config).info({
             "model": str(engine.model_name),
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
             "device": str(engine.device),
             "block_size": str(engine.config.block_size),
             "num_gpu_blocks": str(engine.num_gpu_blocks),

@@ -24,6 +24,7 @@ def engine_kwargs(settings: Settings) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": settings.model,
         "dtype": settings.dtype,
+        "kv_cache_dtype": settings.kv_cache_dtype,
         "block_size": settings.block_size,
         "swap_space": settings.swap_space,
         "max_num_seqs": settings.max_num_seqs,

@@ -71,7 +71,6 @@ class CompiledDecodeStack:
         self.head_dim = attention.head_dim
         self.scale = attention.attn.scale
         self.eps = model.norm.eps
-        self.dtype = model.embed_tokens.weight.dtype
         self.norm_weights = [norm.weight for layer in model.layers
                              for norm in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm.weight]
         self.few_rows, self.many_rows, self.max_few_rows = few_rows, many_rows, max_few_rows
@@ -107,12 +106,12 @@ class CompiledDecodeStack:
     def takes(self, hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               meta: AttentionMetadata) -> bool:
         """Whether this step runs here: decode rows only, with compiled projections for so many rows, over caches the
-        compiled decode reads (contiguous CPU tensors in the model's dtype)."""
+        compiled decode reads (contiguous CPU tensors in the model's dtype, or 16-bit under an fp32 model)."""
         rows = hidden.shape[0]
         key_cache, value_cache = kv_caches[0]
         return (rows > 0 and not meta.has_prefill and meta.num_decode_tokens == rows
                 and self._linears(rows) is not None
-                and key_cache.dtype == self.dtype and cpu_ops.runs_compiled(hidden, key_cache, value_cache))
+                and cpu_ops.runs_compiled(hidden, key_cache, value_cache))
 
     def __call__(self, hidden: torch.Tensor, cos_sin: CosSin, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -38,7 +38,8 @@ struct Linears {
 }  // namespace
 
 // hidden [T, hidden] (the embedded tokens of T decode rows, one per sequence; summed into in place as the residual
-// stream), cos/sin [T, head_dim] fp32, per layer its key and value caches (contiguous, alike, the model's dtype),
+// stream), cos/sin [T, head_dim] fp32, per layer its key and value caches (contiguous, alike, in layer 0's dtype:
+// the model's, or 16-bit under an fp32 model; paged_decode and write_kv_cache_ check which),
 // slot_mapping [T], block_tables [T, W] and context_lens [T] (checked by the caller from host copies, as the
 // Python layers' first call checks them), per layer its input and post-attention norm weights then the final
 // norm's, per layer its qkv, o, gate_up and down projections as kTensorsPerLinear tensors and kShapesPerLinear
@@ -61,10 +62,10 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
   // the caller checked the first layer's caches against the step's tables; the others must be shaped as it is
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (const torch::Tensor* cache : {&key_caches[layer], &value_caches[layer]}) {
-      TORCH_CHECK(cache->sizes() == key_caches[0].sizes() && cache->scalar_type() == hidden.scalar_type() &&
+      TORCH_CHECK(cache->sizes() == key_caches[0].sizes() && cache->scalar_type() == key_caches[0].scalar_type() &&
                       cache->is_contiguous() && cache->device().is_cpu(),
                   "decode_layers: layer ", layer, "'s caches must be contiguous CPU tensors shaped as layer 0's, in "
-                  "the model's dtype");
+                  "its dtype");
     }
   }
   // the whole step without the GIL (the kernels it calls find it released)

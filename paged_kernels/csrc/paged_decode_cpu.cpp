@@ -241,14 +241,15 @@ struct PartResult {
   std::vector<Softmax> softmax;  // [H]
 };
 
-template <typename scalar_t>
-void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* key_cache, const scalar_t* value_cache,
-                 const int32_t* block_tables, const int32_t* context_lens, scalar_t* out,
+// query_t: the query's and the output's dtype; cache_t: the caches' (the same, or 16-bit under an fp32 query)
+template <typename query_t, typename cache_t>
+void decode_rows(const query_t* query, int64_t query_stride, const cache_t* key_cache, const cache_t* value_cache,
+                 const int32_t* block_tables, const int32_t* context_lens, query_t* out,
                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  int64_t block_size, int64_t table_width, float scale) {
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t row = num_kv_heads * head_dim;      // one token's K (or V) row: every KV head side by side
-  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(cache_t));
   const int64_t block_stride = block_size * row;
   // tasks: each sequence's context in parts (one part where the sequences alone spread evenly), in order
   const int64_t wanted_parts = even_parts(num_seqs, at::get_num_threads());
@@ -261,7 +262,7 @@ void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* ke
   at::parallel_for(0, first_task[num_seqs], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(num_heads * head_dim), scores, sums(num_heads * head_dim);
     std::vector<Softmax> softmax(num_heads);
-    std::vector<const scalar_t*> key_rows, value_rows;
+    std::vector<const cache_t*> key_rows, value_rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
       const int64_t parts = first_task[seq + 1] - first_task[seq], part = task - first_task[seq];
@@ -277,7 +278,7 @@ void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* ke
       key_rows.assign(stride, nullptr);
       for (int64_t i = 0; i < stride; ++i) key_rows[i] = key_cache + (value_rows[i < length ? i : 0] - value_cache);
       prefetch_rows(key_rows.data(), std::min(kPrefetchAhead, length), row_bytes);
-      const scalar_t* seq_query = query + seq * query_stride;
+      const query_t* seq_query = query + seq * query_stride;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = to_float(seq_query[i]) * scale;
       scores.resize(num_heads * stride);
       for (int64_t first = 0; first < length; first += kLanes) {
@@ -307,11 +308,11 @@ void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* ke
         split_results[task] = {sums, softmax};
         continue;
       }
-      scalar_t* seq_out = out + seq * num_heads * head_dim;
+      query_t* seq_out = out + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         const float inverse_total = 1.f / softmax[h].total;
         for (int64_t d = 0; d < head_dim; ++d) {
-          seq_out[h * head_dim + d] = from_float<scalar_t>(sums[h * head_dim + d] * inverse_total);
+          seq_out[h * head_dim + d] = from_float<query_t>(sums[h * head_dim + d] * inverse_total);
         }
       }
     }
@@ -331,9 +332,9 @@ void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* ke
         total += weight * result.softmax[h].total;
         for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * result.sums[h * head_dim + d];
       }
-      scalar_t* head_out = out + (seq * num_heads + h) * head_dim;
+      query_t* head_out = out + (seq * num_heads + h) * head_dim;
       const float inverse_total = 1.f / total;
-      for (int64_t d = 0; d < head_dim; ++d) head_out[d] = from_float<scalar_t>(merged[d] * inverse_total);
+      for (int64_t d = 0; d < head_dim; ++d) head_out[d] = from_float<query_t>(merged[d] * inverse_total);
     }
   }
 }
@@ -341,21 +342,34 @@ void decode_rows(const scalar_t* query, int64_t query_stride, const scalar_t* ke
 }  // namespace
 
 // query [S, H, D] (heads contiguous, rows at any stride: the query part of the fused projection), caches
-// [num_blocks, block_size, KV, D] (contiguous, query's dtype), block_tables [S, W], context_lens [S] -> [S, H, D].
-// The caller has checked the values.
+// [num_blocks, block_size, KV, D] (contiguous, query's dtype, or 16-bit under an fp32 query), block_tables [S, W],
+// context_lens [S] -> [S, H, D] in the query's dtype. The caller has checked the values.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "paged_decode: the caches must have one dtype");
+  const bool wider_query = query.scalar_type() == at::kFloat &&
+                           (key_cache.scalar_type() == at::kHalf || key_cache.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() || wider_query,
+              "paged_decode: the caches must have the query's dtype, or be 16-bit under an fp32 query");
   if (query.stride(2) != 1 || query.stride(1) != query.size(2)) query = query.contiguous();
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
   ReleasedGil released_gil;
   auto out = torch::empty(query.sizes(), query.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode_rows<scalar_t>(query.data_ptr<scalar_t>(), query.stride(0), key_cache.data_ptr<scalar_t>(),
-                          value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-                          context_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), query.size(0),
-                          query.size(1), key_cache.size(2), query.size(2), key_cache.size(1),
-                          block_tables.size(1), static_cast<float>(scale));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_decode", [&] {
+    auto run = [&](auto* typed_query) {
+      using query_t = std::remove_pointer_t<decltype(typed_query)>;
+      decode_rows<query_t, scalar_t>(typed_query, query.stride(0), key_cache.data_ptr<scalar_t>(),
+                                     value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+                                     context_lens.data_ptr<int32_t>(), out.data_ptr<query_t>(), query.size(0),
+                                     query.size(1), key_cache.size(2), query.size(2), key_cache.size(1),
+                                     block_tables.size(1), static_cast<float>(scale));
+    };
+    if (!wider_query) {
+      run(query.data_ptr<scalar_t>());
+    } else if constexpr (std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>) {
+      run(query.data_ptr<float>());
+    }
   });
   return out;
 }

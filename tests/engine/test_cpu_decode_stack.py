@@ -53,11 +53,14 @@ def _generate(llm: LLM, params: SamplingParams) -> list[tuple[list[int], Any]]:
 
 @pytest.mark.parametrize("kwargs", [
     pytest.param({}, marks=pytest.mark.skipif(not FP16_KERNEL, reason="our fp16 kernel needs AVX2, F16C and FMA")),
+    # the defaults' fp16 KV cache under fp16 weights, and an fp32 cache
+    pytest.param({"kv_cache_dtype": "float32"}, marks=pytest.mark.skipif(
+        not FP16_KERNEL, reason="our fp16 kernel needs AVX2, F16C and FMA")),
     pytest.param({"quantization": "int8_weight_only"}, marks=pytest.mark.skipif(
         not FP16_KERNEL, reason="past the int8 kernel's rows the layers are our fp16 kernel's")),
     pytest.param({"dtype": "bfloat16"}, marks=[
         pytest.mark.avx512_bf16, pytest.mark.skipif(not BF16_KERNEL, reason="our bf16 kernel needs AVX512-BF16")]),
-], ids=["fp16-weights", "int8-weight-only", "bf16"])
+], ids=["fp16-weights", "fp16-weights-fp32-cache", "int8-weight-only", "bf16"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_decode_steps_through_the_stack_equal_the_python_layers_bit_for_bit(
     tiny_model_dir: Path, kwargs: dict[str, str], temperature: float,

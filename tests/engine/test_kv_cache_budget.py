@@ -20,7 +20,8 @@ def test_the_startup_check_and_the_engine_agree_at_two_blocks(
     two_blocks = 2 * BLOCK_ELEMENTS * element_bytes
 
     def config(budget: int) -> EngineConfig:
-        return EngineConfig(model=str(tiny_model_dir), dtype=dtype, kv_cache_memory=budget, device="cpu")
+        return EngineConfig(model=str(tiny_model_dir), dtype=dtype, kv_cache_dtype=dtype, kv_cache_memory=budget,
+                            device="cpu")
 
     check_kv_cache_budget(config(two_blocks), tiny_model_dir)
     assert LLMEngine(config(two_blocks)).num_gpu_blocks == 2

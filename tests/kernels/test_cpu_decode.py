@@ -30,13 +30,15 @@ def naive_decode(query, key_cache, value_cache, tables, lens, scale):  # type: i
 
 
 def _case(context_lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int,
-          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
-    """Random caches, a query per sequence, and tables of scattered blocks padded with -1 past each context."""
+          dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """Random caches (in ``cache_dtype``, default ``dtype``), a query per sequence, and tables of scattered blocks
+    padded with -1 past each context."""
+    cache_dtype = cache_dtype or dtype
     num_seqs = len(context_lens)
     width = max(-(-length // block_size) for length in context_lens) + 1
     num_blocks = num_seqs * width + 3
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(dtype)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
     tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
     blocks = torch.randperm(num_blocks).to(torch.int32).tolist()
     for s, length in enumerate(context_lens):
@@ -95,14 +97,48 @@ def test_reduced_precision_caches_decode_compiled(
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize(
+    ("context_lens", "block_size", "heads", "kv_heads", "dim"),
+    [([1, 2, 17, 160], 16, 9, 3, 64), ([9, 70], 8, 8, 1, 36), ([33, 300], 4, 10, 2, 80)],
+)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_fp32_queries_decode_compiled_over_16_bit_caches(
+    context_lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, cache_dtype: torch.dtype,
+) -> None:
+    # an fp32 model's fp16 (or bf16) cache (EngineConfig.kv_cache_dtype): the rows are widened as they are read, so
+    # the result is fp32 attention over the cache's values, as exact as over an fp32 cache
+    torch.manual_seed(7)
+    query, key_cache, value_cache, tables, lens = _case(context_lens, block_size, heads, kv_heads, dim,
+                                                        torch.float32, cache_dtype)
+    plan = cpu_ops.plan_decode(query, key_cache, value_cache, tables, lens)
+    assert isinstance(plan, cpu_ops.CompiledDecodePlan)
+    out = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125, plan=plan)
+    assert out.dtype == torch.float32
+    expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_wider_than_the_query_is_refused_by_the_kernel_and_left_to_the_reference() -> None:
+    query, key_cache, value_cache, tables, lens = _case([9, 30], 8, 4, 2, 16, torch.bfloat16, torch.float32)
+    kernels = cpu_kernels()
+    assert kernels is not None
+    with pytest.raises(RuntimeError, match="16-bit under an fp32 query"):
+        kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.25)
+    plan = cpu_ops.plan_decode(query, key_cache, value_cache, tables, lens)
+    assert isinstance(plan, reference.AttentionPlan)
+
+
 @pytest.mark.x86_builds
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
+@pytest.mark.parametrize(("dtype", "cache_dtype", "tolerance"),
+                         [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2),
+                          (torch.float16, torch.float16, 2e-2), (torch.float32, torch.float16, 1e-5)])
 def test_the_avx2_build_decodes_like_naive_attention(avx2_kernels: ModuleType, dtype: torch.dtype,
-                                                     tolerance: float) -> None:
+                                                     cache_dtype: torch.dtype, tolerance: float) -> None:
     torch.manual_seed(3)
     for context_lens, block_size, heads, kv_heads, dim in [([1, 17, 160], 16, 9, 3, 64), ([70, 3], 8, 8, 2, 128),
                                                             ([9, 40], 8, 8, 1, 36)]:
-        query, key_cache, value_cache, tables, lens = _case(context_lens, block_size, heads, kv_heads, dim, dtype)
+        query, key_cache, value_cache, tables, lens = _case(context_lens, block_size, heads, kv_heads, dim, dtype,
+                                                            cache_dtype)
         out = avx2_kernels.paged_decode(query, key_cache, value_cache, tables, lens, 0.125)
         expected = naive_decode(query, key_cache, value_cache, tables, context_lens, 0.125)
         torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
@@ -167,15 +203,33 @@ def test_compiled_cache_write_puts_each_row_in_its_slot(dtype: torch.dtype, slot
     assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
 
 
-def test_a_cache_write_in_another_dtype_or_out_of_range_is_the_reference_s() -> None:
-    key_cache, value_cache = (torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16) for _ in range(2))
-    key = torch.randn(2, 1, 8)  # fp32 rows into a bf16 cache: converted, as the reference does
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_fp32_rows_written_to_a_16_bit_cache_round_as_the_reference_rounds_them(cache_dtype: torch.dtype) -> None:
+    # 20 values a row: two whole vectors of 8 converted at once (F16C for fp16), then 4 one by one
+    torch.manual_seed(8)
+    key_cache, value_cache = (torch.zeros(3, 4, 1, 20, dtype=cache_dtype) for _ in range(2))
+    fused = torch.randn(4, 2, 20) * torch.tensor([1e-3, 1.0, 3e4, 7e4]).view(4, 1, 1)  # 7e4 overflows fp16: inf
+    key, value = fused[:, :1], fused[:, 1:]
+    slots = torch.tensor([7, 1, -1, 11], dtype=torch.int32)
+    expected = cache_written_row_by_row(key, value, key_cache, value_cache, slots)
+    cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, slots, slot_range=(-1, 11))
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+    kernels = cpu_kernels()
+    assert kernels is not None  # the compiled write converts them: the same rows again, through it alone
+    key_cache.zero_(), value_cache.zero_()
+    kernels.write_kv_cache_(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+
+
+def test_a_cache_write_to_a_wider_cache_or_out_of_range_is_the_reference_s() -> None:
+    key_cache, value_cache = (torch.zeros(2, 4, 1, 8) for _ in range(2))
+    key = torch.randn(2, 1, 8).bfloat16()  # bf16 rows into an fp32 cache: converted, as the reference does
     slots = torch.tensor([7, 1])
     expected = cache_written_row_by_row(key, key, key_cache, value_cache, slots)
     cpu_ops.reshape_and_cache(key, key, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
     with pytest.raises(ValueError, match=r"slot_mapping must be -1 or in \[0, 8\)"):
-        cpu_ops.reshape_and_cache(key.bfloat16(), key.bfloat16(), key_cache, value_cache, torch.tensor([8, 0]))
+        cpu_ops.reshape_and_cache(key.float(), key.float(), key_cache, value_cache, torch.tensor([8, 0]))
 
 
 def test_compiled_decode_checks_its_arguments_like_the_reference() -> None:

@@ -102,8 +102,9 @@ def test_vllm_engine_flags_reach_the_engine(tiny_model_dir: Path) -> None:
     settings = _settings("worker", "--model", str(tiny_model_dir), "--max-model-len", "64", "--seed", "7",
                          "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "512",
                          "--no-enable-prefix-caching", "--tokenizer", str(tiny_model_dir), "--swap-space", "1",
-                         "--enforce-eager", "--cuda-graph-max-batch", "32")
+                         "--enforce-eager", "--cuda-graph-max-batch", "32", "--kv-cache-dtype", "bf16")
     config = EngineConfig(**engine_kwargs(settings))
+    assert config.kv_cache_dtype == "bf16"
     assert (config.enforce_eager, config.cuda_graph_max_batch) == (True, 32)
     assert (config.max_model_len, config.seed, config.gpu_memory_utilization) == (64, 7, 0.5)
     assert (config.max_num_batched_tokens, config.enable_prefix_caching) == (512, False)
@@ -117,6 +118,7 @@ def test_vllm_engine_flags_reach_the_engine(tiny_model_dir: Path) -> None:
     (["worker", "--max-model-len", "many"], "--max-model-len"),
     (["worker", "--preemption-mode", "pause"], "--preemption-mode"),
     (["worker", "--dtype", "float8"], "--dtype"),
+    (["worker", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
     (["worker", "--cuda-graph-max-batch", "0"], "--cuda-graph-max-batch"),
     (["api", "--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
     (["api", "--served-model-name"], "--served-model-name"),
@@ -136,8 +138,9 @@ def test_a_bad_flag_value_fails_at_startup_naming_the_flag(
     assert flag in _refused(capsys, *argv)
 
 
-def test_the_dtype_setting_accepts_exactly_the_engines_names() -> None:
-    assert set(get_args(Settings.model_fields["dtype"].annotation)) == set(DTYPE_NAMES)
+@pytest.mark.parametrize("setting", ["dtype", "kv_cache_dtype"])
+def test_the_dtype_settings_accept_exactly_the_engines_names(setting: str) -> None:
+    assert set(get_args(Settings.model_fields[setting].annotation)) == set(DTYPE_NAMES)
 
 
 def test_a_bad_enforce_eager_in_the_environment_fails_at_startup_naming_it(
@@ -188,6 +191,12 @@ def test_an_engine_limit_fails_the_worker_at_startup(tiny_model_dir: Path) -> No
     settings = _settings("worker", "--model", str(tiny_model_dir), "--max-num-seqs", "16",
                          "--max-num-batched-tokens", "8")
     with pytest.raises(SystemExit, match="max_num_batched_tokens"):
+        cli.check_startup(settings, "worker")
+
+
+def test_a_kv_cache_dtype_the_model_cannot_take_fails_the_worker_at_startup(tiny_model_dir: Path) -> None:
+    settings = _settings("worker", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--kv-cache-dtype", "fp16")
+    with pytest.raises(SystemExit, match="pagedserve worker: kv_cache_dtype must be the model's dtype"):
         cli.check_startup(settings, "worker")
 
 
