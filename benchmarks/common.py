@@ -16,7 +16,7 @@ from rich.table import Table
 
 from engine import LLM, SamplingParams
 from engine.cache_engine import kv_block_bytes
-from engine.config import resolve_dtype
+from engine.config import EngineConfig, resolve_dtype
 from engine.model_files import resolve_model
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -47,25 +47,28 @@ def require_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             parser.error(f"--{name.replace('_', '-')} must be >= {minimum}")
 
 
-def kv_cache_bytes(model: str, num_tokens: int, block_size: int, dtype: str) -> int:
-    """Bytes of a KV cache holding ``num_tokens`` token slots (whole blocks) of ``model``."""
+def kv_cache_bytes(config: EngineConfig, num_tokens: int) -> int:
+    """Bytes of a KV cache holding ``num_tokens`` token slots (whole blocks) of the model ``config`` runs, in the
+    dtype its engine gives the cache (an fp32 model's may be fp16: ``EngineConfig.kv_cache_dtype``)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(resolve_model(model))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    block_bytes = kv_block_bytes(config.num_hidden_layers, block_size, config.num_key_value_heads, head_dim,
-                                 resolve_dtype(dtype, torch.device("cpu")))
-    return -(-num_tokens // block_size) * block_bytes
+    model_config = AutoConfig.from_pretrained(resolve_model(config.model))
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    cache_dtype = config.kv_cache_torch_dtype(resolve_dtype(config.dtype, config.torch_device()))
+    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, model_config.num_key_value_heads,
+                                 head_dim, cache_dtype)
+    return -(-num_tokens // config.block_size) * block_bytes
 
 
 def build_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
     """A paged engine on the CPU sized by the common arguments (``overrides`` win)."""
-    kwargs: dict[str, Any] = dict(
-        dtype=args.dtype, device="cpu", block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        kv_cache_memory=kv_cache_bytes(args.model, args.kv_cache_tokens, args.block_size, args.dtype),
-        swap_space="1GiB", seed=args.seed,
-    )
-    llm = LLM(model=args.model, **{**kwargs, **overrides})
+    kwargs: dict[str, Any] = {
+        "model": args.model, "dtype": args.dtype, "device": "cpu", "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs, "swap_space": "1GiB", "seed": args.seed, **overrides,
+    }
+    if "kv_cache_memory" not in kwargs:
+        kwargs["kv_cache_memory"] = kv_cache_bytes(EngineConfig(**kwargs), args.kv_cache_tokens)
+    llm = LLM(**kwargs)
     # warm-up outside the timed runs: first calls pay for allocator and kernel start-up
     llm.generate([list(range(1000, 1040))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     return llm

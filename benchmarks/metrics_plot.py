@@ -18,6 +18,7 @@ from benchmarks.common import add_common_args, build_llm, kv_cache_bytes, new_fi
 from benchmarks.prometheus_server import PrometheusServer
 from benchmarks.runner import run_engine
 from benchmarks.workloads import corpus_token_ids, make_requests, poisson_arrivals
+from engine.config import EngineConfig
 from engine.model_files import load_tokenizer
 from worker.metrics import WorkerMetrics, serve_metrics
 
@@ -84,7 +85,8 @@ def main() -> None:
         args.num_requests = 12
 
     # a swap pool as large as the device pool, so its usage shows on the same axis
-    llm = build_llm(args, swap_space=kv_cache_bytes(args.model, args.kv_cache_tokens, args.block_size, args.dtype))
+    device_pool = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", block_size=args.block_size)
+    llm = build_llm(args, swap_space=kv_cache_bytes(device_pool, args.kv_cache_tokens))
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry)
     metrics.set_cache_config(llm.engine)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cpu_decode, latency, linear_layers, sampler, sharing, structured, throughput
+from benchmarks import cpu_decode, kv_cache_dtype, latency, linear_layers, sampler, sharing, structured, throughput
 from engine.models import cpu_packing
 
 
@@ -123,7 +123,8 @@ def test_linear_layers_times_a_revisions_build_of_our_kernel_beside_the_working_
     linear_layers.main(["--model", str(tiny_model_dir), "--dtype", dtype, "--rows", "2", "--repeats", "2",
                         "--base", "HEAD", "--baseline", f"{ours}@base", "--out", str(tmp_path)])
     payload = _written(tmp_path, "linear-layers")
-    assert payload["layouts"][:2] == [ours, f"{ours}@base"] and len(payload["base_commit"]) == 40
+    # fp32 has fbgemm's fp16 layout too, between ours and the revision's
+    assert payload["layouts"][0] == ours and f"{ours}@base" in payload["layouts"] and len(payload["base_commit"]) == 40
     (result,) = payload["results"]
     assert result[f"{ours}_over_{ours}@base"] == pytest.approx(result[f"{ours}_ms"] / result[f"{ours}@base_ms"])
 
@@ -151,3 +152,12 @@ def test_sampler_refuses_bad_arguments_naming_the_flag(flags: list[str], named: 
     with pytest.raises(SystemExit):
         sampler.main(flags)
     assert named in capsys.readouterr().err
+
+
+def test_kv_cache_dtype_measures_each_cache_against_exact_fp32(tiny_model_dir: Path, tmp_path: Path) -> None:
+    kv_cache_dtype.main(["--model", str(tiny_model_dir), "--max-tokens", "3", "--out", str(tmp_path), "--name", "kv"])
+    rows = {row["variant"]: row for row in _written(tmp_path, "kv")["rows"]}
+    assert [row["cache dtype"] for row in rows.values()] == ["float32", "float32", "float16", "bfloat16"]
+    assert rows["exact"]["mean |log-prob change|"] == 0 and rows["exact"]["greedy agreement"] == 1
+    # the fp16 weights change the text's log-probs; no cache here is exact
+    assert all(row["mean |log-prob change|"] > 0 for name, row in rows.items() if name != "exact")

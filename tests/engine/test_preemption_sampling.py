@@ -8,8 +8,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.agreement import Sample, assert_agree_up_to_rounding
+from tests.conftest import tiny_block_bytes
 
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # k and v, 2 layers, 16 tokens, 2 KV heads of 16 dims, fp32
+BLOCK_BYTES = tiny_block_bytes(dtype="float32")
 PROMPTS = [f"Pressure number {i} on the cache" for i in range(4)]
 
 

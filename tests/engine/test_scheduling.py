@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.conftest import tiny_block_bytes
 from tests.engine.hf_reference import hf_beam
 
 PROMPTS = ["The quick brown fox", "Hello, my name is", "In the beginning there was"]
@@ -86,7 +87,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_model_dir: Path) -> N
 
 
 def test_prefix_cache_hits_evicts_under_pressure_and_hits_again_with_unchanged_outputs(tiny_model_dir: Path) -> None:
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    block_bytes = tiny_block_bytes(dtype="float32")
     # 50 tokens: 3 full blocks the cache can serve (the last token is always computed), 4 blocks with the output
     cached_prompt = list(range(1000, 1050))
     fillers = [list(range(2000 + 100 * i, 2050 + 100 * i)) for i in range(3)]
@@ -146,7 +147,7 @@ def test_bad_engine_arguments_name_the_argument(tiny_model_dir: Path, kwargs: di
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_beam_search_survives_preemption(tiny_model_dir: Path, mode: str) -> None:
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    block_bytes = tiny_block_bytes(dtype="float32")
     reference = tiny_llm(tiny_model_dir).beam_search(PROMPTS, beam_width=3, max_tokens=24, ignore_eos=True,
                                                      use_tqdm=False)
     tight = tiny_llm(tiny_model_dir, kv_cache_memory=10 * block_bytes, watermark=0.0, preemption_mode=mode,
@@ -158,7 +159,7 @@ def test_beam_search_survives_preemption(tiny_model_dir: Path, mode: str) -> Non
 
 
 def test_abort_frees_blocks_of_running_waiting_and_swapped_requests(tiny_model_dir: Path) -> None:
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    block_bytes = tiny_block_bytes(dtype="float32")
     llm = tiny_llm(tiny_model_dir, kv_cache_memory=8 * block_bytes, watermark=0.0, max_num_seqs=4)
     engine = llm.engine
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

@@ -22,6 +22,7 @@ from engine.model_files import load_tokenizer
 from engine.outputs import RequestOutput
 from engine.sampler import SamplingRow, sample
 from engine.structured_output import GrammarCompiler, TokenizerMismatchError
+from tests.conftest import tiny_block_bytes
 from tests.engine.hf_reference import hf_logprobs
 from tests.engine.test_fault_isolation import poisoned
 
@@ -122,7 +123,7 @@ def test_preempted_constrained_samples_match_an_unpressured_run(tiny_model_dir: 
                   for i in range(4)]
         return _texts(llm.generate([f"Person number {i}" for i in range(4)], params, use_tqdm=False))
 
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # k and v, 2 layers, 16 tokens, 2 KV heads of 16 dims, fp32
+    block_bytes = tiny_block_bytes(dtype="float32")
     tight = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=8 * block_bytes,
                 swap_space=16 * block_bytes, watermark=0.0, preemption_mode=mode)
     pressured = run(tight)

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine import LLMEngine, SamplingParams
+from tests.conftest import tiny_block_bytes
 from worker.engine_service import EngineService, RequestHandle
 from worker.metrics import WorkerMetrics, serve_metrics
 
@@ -30,7 +31,8 @@ def registry() -> CollectorRegistry:
 def engine(tiny_model_dir: Path) -> LLMEngine:
     """A tiny engine with room for about 8 blocks: six 40-token requests must preempt each other."""
     return LLMEngine.from_kwargs(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_memory="64KiB", swap_space="1MiB",
+        model=str(tiny_model_dir), dtype="float32", kv_cache_memory=8 * tiny_block_bytes(dtype="float32"),
+        swap_space="1MiB",
         max_num_seqs=8, block_size=16, preemption_mode="swap",
     )
 
@@ -126,7 +128,10 @@ def test_busy_engine_reports_kv_usage_and_waste_below_one_block_per_sequence(eng
 
 def test_cache_config_info_names_model_dtype_and_blocks(ran: WorkerMetrics, registry: CollectorRegistry,
                                                         engine: LLMEngine) -> None:
-    labels = {"model": str(engine.model_name), "dtype": "float32", "device": "cpu", "block_size": "16",
+    cache_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
+    assert cache_dtype in ("float16", "float32")  # the CPU's pick for an fp32 model (fp16 with its fp16 weights)
+    labels = {"model": str(engine.model_name), "dtype": "float32", "kv_cache_dtype": cache_dtype, "device": "cpu",
+              "block_size": "16",
               "num_gpu_blocks": str(engine.num_gpu_blocks), "num_cpu_blocks": str(engine.num_cpu_blocks)}
     assert _value(registry, "pagedserve_cache_config_info", **labels) == 1.0
 
