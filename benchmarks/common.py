@@ -16,8 +16,10 @@ from rich.table import Table
 
 from engine import LLM, SamplingParams
 from engine.cache_engine import kv_block_bytes
-from engine.config import EngineConfig, resolve_dtype
+from engine.config import EngineConfig
 from engine.model_files import resolve_model
+from engine.models.llama import kv_heads_and_head_dim
+from engine.models.loader import load_config
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # the CPU features that decide which kernels torch and llama.cpp run
@@ -50,13 +52,10 @@ def require_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 def kv_cache_bytes(config: EngineConfig, num_tokens: int) -> int:
     """Bytes of a KV cache holding ``num_tokens`` token slots (whole blocks) of the model ``config`` runs, in the
     dtype its engine gives the cache (an fp32 model's may be fp16: ``EngineConfig.kv_cache_dtype``)."""
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(resolve_model(config.model))
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    cache_dtype = config.kv_cache_torch_dtype(resolve_dtype(config.dtype, config.torch_device()))
-    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, model_config.num_key_value_heads,
-                                 head_dim, cache_dtype)
+    model_config = load_config(resolve_model(config.model))
+    num_kv_heads, head_dim = kv_heads_and_head_dim(model_config)
+    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, num_kv_heads, head_dim,
+                                 config.kv_cache_torch_dtype())
     return -(-num_tokens // config.block_size) * block_bytes
 
 

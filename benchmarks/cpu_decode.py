@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import RESULTS_DIR, machine, new_figure, print_table, save_with_legend, write_json
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 
 BACKENDS = ("torch", "cpu")
 
@@ -46,7 +47,11 @@ def start_decoding(llm: LLM, rows: int, context: int, steps: int) -> None:
 
 def measure(args: argparse.Namespace, rows: int, context: int) -> dict[str, Any]:
     """Both backends' fastest decode step at ``rows`` × ``context``, and whether their tokens agreed."""
-    llms = {name: LLM(model=args.model, max_num_seqs=rows, kv_cache_memory="1GiB", attention_backend=name)
+    # both over the cache the compiled backend takes by default (an fp32 model's may be fp16), so that they compare
+    # the attention, not the cache's dtype
+    cache_dtype = EngineConfig(model=args.model, attention_backend="cpu").kv_cache_torch_dtype()
+    llms = {name: LLM(model=args.model, max_num_seqs=rows, kv_cache_memory="1GiB", attention_backend=name,
+                      kv_cache_dtype=cache_dtype)
             for name in BACKENDS}
     for llm in llms.values():
         start_decoding(llm, rows, context, args.steps)

@@ -34,8 +34,9 @@ from paged_kernels.cpu_features import has_fbgemm_fp16
 VARIANTS: dict[str, dict[str, object]] = {
     "fp32-plain": {"cpu_weight_packing": "exact"},
     "fp32-packed": {"cpu_weight_packing": "onednn"},
-    "fp16-weights": {"cpu_weight_packing": "fp16"},  # our kernel's or fbgemm's (AVX2, F16C, FMA)
-    "int8": {"quantization": "int8", "cpu_weight_packing": "onednn"},
+    # these two pin an fp32 KV cache (auto's is fp16 under them): the weights' numerics alone, as the others
+    "fp16-weights": {"cpu_weight_packing": "fp16", "kv_cache_dtype": "float32"},  # our kernel's or fbgemm's
+    "int8": {"quantization": "int8", "cpu_weight_packing": "onednn", "kv_cache_dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},  # auto's pick where bf16 is fast (AMX, AMD's AVX512-BF16): our kernel's layers
     # (oneDNN's with AMX), fused layer ops
     "bf16-onednn": {"dtype": "bfloat16", "cpu_weight_packing": "onednn"},

@@ -38,9 +38,10 @@ class Settings(BaseSettings):
     dtype: DtypeName = Field(
         "auto", description="weights dtype: auto = bf16 where the device computes it fast, else float32")
     kv_cache_dtype: DtypeName = Field(
-        "auto", description="KV cache dtype (as vLLM's --kv-cache-dtype): auto = the model's dtype, but float16 for "
-        "a float32 model whose weights the CPU holds in fp16 or int8 (half the bytes to read, twice the tokens in "
-        "kv_cache_memory); else the model's dtype, or float16 / bfloat16 under a float32 model on the CPU")
+        "auto", description="KV cache dtype (as vLLM's --kv-cache-dtype, without fp8): auto = the model's dtype, but "
+        "float16 for a float32 model whose weights the CPU holds in fp16 or int8, under the cpu attention backend "
+        "(half the bytes to read, twice the tokens in kv_cache_memory); a name: the model's dtype, or float16 / "
+        "bfloat16 under a float32 model on the CPU (not with the triton backend)")
     kv_cache_memory: str | None = Field(None, description="KV cache budget on the device (default: engine's choice)")
     swap_space: ByteSize = Field(ByteSize(4 << 30), description="CPU swap pool for preempted KV blocks: GiB when a "
                                  "bare number (as vLLM), or with a unit such as 512MiB")

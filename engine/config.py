@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_kernels import backend_name
 from paged_kernels.cpu_features import cpu_flags, cpu_vendor, has_fbgemm_fp16
 
 _BYTE_UNITS = {
@@ -43,11 +44,12 @@ def parse_bytes(value: int | str, name: str) -> int:
     return result
 
 
-def holds_weights_in_fp16(device: torch.device, dtype: torch.dtype, weight_packing: str,
-                          quantization: str | None) -> bool:
+def holds_weights_below_fp32(device: torch.device, dtype: torch.dtype, weight_packing: str,
+                             quantization: str | None) -> bool:
     """Whether an fp32 model's linear weights are held below fp32 on this CPU: as fp16 for our F16C kernel or
-    fbgemm (``cpu_weight_packing`` ``"auto"`` or ``"fp16"`` on a CPU with AVX2, F16C and FMA), or quantized to
-    int8 there."""
+    fbgemm (``cpu_weight_packing`` ``"auto"`` or ``"fp16"`` on a CPU with AVX2, F16C and FMA, which both need), or
+    quantized to int8 there. (Where neither our kernel builds nor torch has fbgemm, fp16 packing falls back to
+    oneDNN's fp32: judged from the flags alone, without building the kernels, that rare case still counts.)"""
     return (device.type == "cpu" and dtype == torch.float32 and {"avx2", "f16c", "fma"} <= cpu_flags()
             and (quantization is not None or weight_packing in ("auto", "fp16")))
 
@@ -164,18 +166,18 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        self.kv_cache_torch_dtype(resolve_dtype(self.dtype, self.torch_device()))  # refuses a bad kv_cache_dtype
+        self.kv_cache_torch_dtype()  # refuses a bad kv_cache_dtype now
         self.swap_space = parse_bytes(self.swap_space, "swap_space")
 
-    def kv_cache_torch_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype for a model of ``dtype`` (``kv_cache_dtype`` resolved); raises ``ValueError`` for a
-        name it does not know, or one the kernels cannot pair with the model's dtype on this device."""
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (``kv_cache_dtype`` resolved against the model's); raises ``ValueError`` for a name it
+        does not know, or one the kernels cannot pair with the model's dtype on this device and backend."""
         device = self.torch_device()
-        compiled_cpu_attention = device.type == "cpu" and self.attention_backend in (None, "cpu")
+        dtype = resolve_dtype(self.dtype, device)
+        backend = backend_name(device, self.attention_backend)
         if self.kv_cache_dtype == "auto":
-            fp16 = compiled_cpu_attention and holds_weights_in_fp16(device, dtype, self.cpu_weight_packing,
-                                                                    self.quantization)
-            return torch.float16 if fp16 else dtype
+            below_fp32 = holds_weights_below_fp32(device, dtype, self.cpu_weight_packing, self.quantization)
+            return torch.float16 if backend == "cpu" and below_fp32 else dtype
         if isinstance(self.kv_cache_dtype, torch.dtype):
             cache_dtype = self.kv_cache_dtype
         elif self.kv_cache_dtype in _DTYPES:
@@ -185,7 +187,7 @@ class EngineConfig:
         # the CPU's compiled kernels widen a 16-bit cache under fp32 queries, and the plain-torch backend converts
         # what it gathers; the Triton kernels read caches of the query's dtype only
         narrower = (dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
-                    and device.type == "cpu" and self.attention_backend != "triton")
+                    and device.type == "cpu" and backend != "triton")
         if cache_dtype != dtype and not narrower:
             raise ValueError(
                 f"kv_cache_dtype must be the model's dtype ({dtype}), or float16 / bfloat16 under an fp32 model on "

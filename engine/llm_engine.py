@@ -49,8 +49,8 @@ def check_kv_cache_budget(config: EngineConfig, folder: Path) -> None:
         return
     model_config = load_config(folder)
     num_kv_heads, head_dim = kv_heads_and_head_dim(model_config)
-    cache_dtype = config.kv_cache_torch_dtype(resolve_dtype(config.dtype, config.torch_device()))
-    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, num_kv_heads, head_dim, cache_dtype)
+    block_bytes = kv_block_bytes(model_config.num_hidden_layers, config.block_size, num_kv_heads, head_dim,
+                                 config.kv_cache_torch_dtype())
     blocks_in_budget(int(config.kv_cache_memory), block_bytes)
 
 
@@ -65,7 +65,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_cache_dtype = config.kv_cache_torch_dtype(self.dtype)
+        self.kv_cache_dtype = config.kv_cache_torch_dtype()
         self.ops = select_backend(self.device, config.attention_backend)
         folder = resolve_model(config.model)
         self.model_name = config.model

@@ -17,16 +17,16 @@ TINY_LLAMA = dict(
 
 
 def tiny_block_bytes(**engine_kwargs: object) -> int:
-    """Bytes of one 16-token KV block of the tiny Llama (K and V, 2 layers, 2 KV heads of 16 dims) in the dtype an
-    engine of ``engine_kwargs`` gives its cache: an fp32 model's cache is fp16 where the CPU holds its weights in fp16
-    (``EngineConfig.kv_cache_dtype``), so a budget of N blocks is N blocks on every CPU."""
+    """Bytes of one KV block of the tiny Llama (K and V, 2 layers, 2 KV heads of 16 dims; 16 tokens unless
+    ``block_size`` says) in the dtype an engine of ``engine_kwargs`` gives its cache: an fp32 model's cache is fp16
+    where the CPU holds its weights in fp16 (``EngineConfig.kv_cache_dtype``), fp32 on CUDA, so that a budget of N
+    blocks is N blocks on every machine."""
     from engine.cache_engine import kv_block_bytes
-    from engine.config import EngineConfig, resolve_dtype
+    from engine.config import EngineConfig
 
-    config = EngineConfig(**{"device": "cpu", **engine_kwargs})  # type: ignore[arg-type]
-    cache_dtype = config.kv_cache_torch_dtype(resolve_dtype(config.dtype, config.torch_device()))
-    return kv_block_bytes(TINY_LLAMA["num_hidden_layers"], 16, TINY_LLAMA["num_key_value_heads"],
-                          TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"], cache_dtype)
+    config = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
+    return kv_block_bytes(TINY_LLAMA["num_hidden_layers"], config.block_size, TINY_LLAMA["num_key_value_heads"],
+                          TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"], config.kv_cache_torch_dtype())
 
 
 def build_tiny_llama(folder: Path, seed: int = 0, **overrides: object) -> Path:

@@ -38,8 +38,8 @@ struct Linears {
 }  // namespace
 
 // hidden [T, hidden] (the embedded tokens of T decode rows, one per sequence; summed into in place as the residual
-// stream), cos/sin [T, head_dim] fp32, per layer its key and value caches (contiguous, alike, in layer 0's dtype:
-// the model's, or 16-bit under an fp32 model; paged_decode and write_kv_cache_ check which),
+// stream), cos/sin [T, head_dim] fp32, per layer its key and value caches (contiguous, alike, in the model's dtype
+// or 16-bit under an fp32 model),
 // slot_mapping [T], block_tables [T, W] and context_lens [T] (checked by the caller from host copies, as the
 // Python layers' first call checks them), per layer its input and post-attention norm weights then the final
 // norm's, per layer its qkv, o, gate_up and down projections as kTensorsPerLinear tensors and kShapesPerLinear
@@ -59,6 +59,10 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                   static_cast<int64_t>(linear_shapes.size()) == layers * kLinearsPerLayer * kShapesPerLinear,
               "decode_layers: linear_tensors and linear_shapes must describe ", kLinearsPerLayer, " linears per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be contiguous [tokens, hidden]");
+  const at::ScalarType cache_type = key_caches[0].scalar_type();
+  TORCH_CHECK(cache_type == hidden.scalar_type() ||
+                  (hidden.scalar_type() == at::kFloat && (cache_type == at::kHalf || cache_type == at::kBFloat16)),
+              "decode_layers: the caches must be in the model's dtype, or 16-bit under an fp32 model");
   // the caller checked the first layer's caches against the step's tables; the others must be shaped as it is
   for (int64_t layer = 0; layer < layers; ++layer) {
     for (const torch::Tensor* cache : {&key_caches[layer], &value_caches[layer]}) {

@@ -90,6 +90,9 @@ void write_kv_cache_(torch::Tensor key, torch::Tensor value, torch::Tensor key_c
       write_rows<scalar_t, scalar_t>(key, value, key_cache, value_cache, slot_mapping);
     } else if constexpr (!std::is_same_v<scalar_t, float> && !std::is_same_v<scalar_t, double>) {
       write_rows<float, scalar_t>(key, value, key_cache, value_cache, slot_mapping);  // check_rows: fp32 rows
+    } else {
+      TORCH_CHECK(false, "write_kv_cache_: rows of ", key.scalar_type(), " cannot go into a ",
+                  key_cache.scalar_type(), " cache");
     }
   });
 }

@@ -369,6 +369,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
       run(query.data_ptr<scalar_t>());
     } else if constexpr (std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>) {
       run(query.data_ptr<float>());
+    } else {
+      TORCH_CHECK(false, "paged_decode: a ", query.scalar_type(), " query cannot read a ", key_cache.scalar_type(),
+                  " cache");  // unreachable: wider_query holds for 16-bit caches only
     }
   });
   return out;

@@ -118,8 +118,9 @@ def _arguments(layers: int = 2) -> list[Any]:
     (lambda a: a.__setitem__(0, torch.randn(8, 2).t()), "hidden must be contiguous"),
     (lambda a: a[3].__setitem__(1, torch.zeros(3, 4, 1, 8)), "layer 1's caches must be"),
     (lambda a: a[4].__setitem__(0, torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)), "layer 0's caches must be"),
+    (lambda a: a.__setitem__(0, torch.randn(1, 8).bfloat16()), "in the model's dtype, or 16-bit under an fp32 model"),
     (lambda a: a.__setitem__(10, [9] + a[10][1:]), "linear 0 has unknown kind 9"),
-], ids=["value caches", "norms", "linears", "hidden", "cache shape", "cache dtype", "kind"])
+], ids=["value caches", "norms", "linears", "hidden", "cache shape", "cache dtype", "cache wider than model", "kind"])
 def test_the_compiled_loop_names_what_is_wrong(kernels, change, message: str) -> None:  # type: ignore[no-untyped-def]
     arguments = _arguments()
     change(arguments)

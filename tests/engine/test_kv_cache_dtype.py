@@ -41,9 +41,18 @@ def test_the_kv_cache_dtype_on_the_cpu(
     monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any], flags: frozenset[str], expected: torch.dtype,
 ) -> None:
     monkeypatch.setattr(config, "cpu_flags", lambda: flags)
-    engine_config = EngineConfig(device="cpu", **kwargs)
-    assert engine_config.kv_cache_torch_dtype(config.resolve_dtype(engine_config.dtype, torch.device("cpu"))) \
-        == expected
+    monkeypatch.setattr(config, "has_fbgemm_fp16", lambda: True)  # lets cpu_weight_packing="fp16" through anywhere
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION_BACKEND", raising=False)
+    assert EngineConfig(device="cpu", **kwargs).kv_cache_torch_dtype() == expected
+
+
+def test_auto_follows_the_attention_backend_the_environment_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "cpu_flags", lambda: AVX2_FLAGS)
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "torch")  # select_backend's choice: the plain-torch reference
+    assert EngineConfig(device="cpu", dtype="float32").kv_cache_torch_dtype() == torch.float32
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION_BACKEND", "triton")
+    with pytest.raises(ValueError, match="not with the triton backend"):
+        EngineConfig(device="cpu", dtype="float32", kv_cache_dtype="float16")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -62,7 +71,8 @@ def test_a_kv_cache_dtype_the_kernels_cannot_pair_is_refused_naming_it(kwargs: d
 
 
 def _llm(model_dir: Path, **kwargs: Any) -> LLM:
-    return LLM(model=str(model_dir), **{"dtype": "float32", "kv_cache_memory": "2MiB", "device": "cpu", **kwargs})
+    return LLM(model=str(model_dir), **{"dtype": "float32", "kv_cache_memory": "2MiB", "swap_space": "4MiB",
+                                        "device": "cpu", **kwargs})
 
 
 def test_an_fp16_cache_holds_twice_the_blocks_of_an_fp32_one_in_the_same_memory(tiny_model_dir: Path) -> None:
@@ -111,4 +121,4 @@ def test_an_fp32_model_decodes_from_a_16_bit_cache_as_the_plain_torch_backend_do
     plain = _agreed_logprob_differences(compiled, generate(kv_cache_dtype=kv_cache_dtype, attention_backend="torch"))
     assert len(plain) == len(PROMPTS) * params.max_tokens and max(plain) < 1e-4
     exact = _agreed_logprob_differences(compiled, generate(kv_cache_dtype="float32"))
-    assert len(exact) >= len(PROMPTS) and max(exact) < rounding
+    assert len(exact) >= len(plain) // 2 and max(exact) < rounding  # most steps agree (fp16: all 48 here)

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine import LLMEngine, SamplingParams
+from engine.config import EngineConfig
 from tests.conftest import tiny_block_bytes
 from worker.engine_service import EngineService, RequestHandle
 from worker.metrics import WorkerMetrics, serve_metrics
@@ -128,8 +129,9 @@ def test_busy_engine_reports_kv_usage_and_waste_below_one_block_per_sequence(eng
 
 def test_cache_config_info_names_model_dtype_and_blocks(ran: WorkerMetrics, registry: CollectorRegistry,
                                                         engine: LLMEngine) -> None:
-    cache_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
-    assert cache_dtype in ("float16", "float32")  # the CPU's pick for an fp32 model (fp16 with its fp16 weights)
+    # the cache's own dtype, as the configuration resolves it (an fp32 model's is fp16 where its weights are)
+    expected = EngineConfig(model=str(engine.model_name), dtype="float32").kv_cache_torch_dtype()
+    cache_dtype = str(expected).removeprefix("torch.")
     labels = {"model": str(engine.model_name), "dtype": "float32", "kv_cache_dtype": cache_dtype, "device": "cpu",
               "block_size": "16",
               "num_gpu_blocks": str(engine.num_gpu_blocks), "num_cpu_blocks": str(engine.num_cpu_blocks)}
