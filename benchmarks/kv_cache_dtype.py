@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
             "mean |log-prob change|": sum(abs(c) for c in changes) / len(changes),
             "greedy agreement": agreement(tokens, reference_tokens),
         })
-        del llm
+        del llm  # one engine at a time: the next one is built before the name would be rebound
     print_table(f"{args.model}, fp32: against exact fp32 ({len(reference_logprobs)} text tokens; "
                 f"{len(PROMPTS)} prompts x {args.max_tokens} greedy tokens)", rows, list(rows[0]))
     write_json(args.name, {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},

@@ -9,6 +9,7 @@ import torch
 
 from paged_kernels import backend_name
 from paged_kernels.cpu_features import cpu_flags, cpu_vendor, has_fbgemm_fp16
+from paged_kernels.cpu_ops import reads_cache_dtype
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -186,9 +187,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.kv_cache_dtype!r}")
         # the CPU's compiled kernels widen a 16-bit cache under fp32 queries, and the plain-torch backend converts
         # what it gathers; the Triton kernels read caches of the query's dtype only
-        narrower = (dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
-                    and device.type == "cpu" and backend != "triton")
-        if cache_dtype != dtype and not narrower:
+        if cache_dtype != dtype and not (device.type == "cpu" and backend != "triton"
+                                         and reads_cache_dtype(dtype, cache_dtype)):
             raise ValueError(
                 f"kv_cache_dtype must be the model's dtype ({dtype}), or float16 / bfloat16 under an fp32 model on "
                 f"the CPU (not with the triton backend), got {self.kv_cache_dtype!r} on {device.type}")

@@ -59,9 +59,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor cos, torch::Tens
                   static_cast<int64_t>(linear_shapes.size()) == layers * kLinearsPerLayer * kShapesPerLinear,
               "decode_layers: linear_tensors and linear_shapes must describe ", kLinearsPerLayer, " linears per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_layers: hidden must be contiguous [tokens, hidden]");
-  const at::ScalarType cache_type = key_caches[0].scalar_type();
-  TORCH_CHECK(cache_type == hidden.scalar_type() ||
-                  (hidden.scalar_type() == at::kFloat && (cache_type == at::kHalf || cache_type == at::kBFloat16)),
+  TORCH_CHECK(pairs_with_cache(hidden.scalar_type(), key_caches[0].scalar_type()),
               "decode_layers: the caches must be in the model's dtype, or 16-bit under an fp32 model");
   // the caller checked the first layer's caches against the step's tables; the others must be shaped as it is
   for (int64_t layer = 0; layer < layers; ++layer) {

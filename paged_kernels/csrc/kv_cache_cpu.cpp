@@ -26,7 +26,7 @@ inline void copy_row(cache_t* to, const row_t* from, int64_t count) {
       }
     }
 #endif
-    for (; i < count; ++i) to[i] = static_cast<cache_t>(static_cast<float>(from[i]));
+    for (; i < count; ++i) to[i] = from_float<cache_t>(to_float(from[i]));
   }
 }
 
@@ -47,9 +47,7 @@ void check_rows(const torch::Tensor& rows, const torch::Tensor& cache, const cha
               "write_kv_cache_: ", name, " must be [tokens, kv_heads, head_dim] of the cache's heads");
   TORCH_CHECK(rows.stride(2) == 1 && rows.stride(1) == rows.size(2),
               "write_kv_cache_: ", name, "'s heads must be contiguous (rows may be at any stride)");
-  TORCH_CHECK(rows.scalar_type() == cache.scalar_type() ||
-                  (rows.scalar_type() == at::kFloat &&
-                   (cache.scalar_type() == at::kHalf || cache.scalar_type() == at::kBFloat16)),
+  TORCH_CHECK(pairs_with_cache(rows.scalar_type(), cache.scalar_type()),
               "write_kv_cache_: ", name, " must have the cache's dtype, or be fp32 for a 16-bit cache");
 }
 

@@ -347,10 +347,9 @@ void decode_rows(const query_t* query, int64_t query_stride, const cache_t* key_
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "paged_decode: the caches must have one dtype");
-  const bool wider_query = query.scalar_type() == at::kFloat &&
-                           (key_cache.scalar_type() == at::kHalf || key_cache.scalar_type() == at::kBFloat16);
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() || wider_query,
+  TORCH_CHECK(pairs_with_cache(query.scalar_type(), key_cache.scalar_type()),
               "paged_decode: the caches must have the query's dtype, or be 16-bit under an fp32 query");
+  const bool wider_query = query.scalar_type() != key_cache.scalar_type();
   if (query.stride(2) != 1 || query.stride(1) != query.size(2)) query = query.contiguous();
   block_tables = block_tables.to(at::kInt).contiguous();
   context_lens = context_lens.to(at::kInt).contiguous();
@@ -371,7 +370,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor key_cache, torch::
       run(query.data_ptr<float>());
     } else {
       TORCH_CHECK(false, "paged_decode: a ", query.scalar_type(), " query cannot read a ", key_cache.scalar_type(),
-                  " cache");  // unreachable: wider_query holds for 16-bit caches only
+                  " cache");  // unreachable: pairs_with_cache let only 16-bit caches differ
     }
   });
   return out;

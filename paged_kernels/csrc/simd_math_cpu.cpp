@@ -1,7 +1,8 @@
 // Element-wise math written so that GCC vectorizes the loops that call it (glibc's expf is a scalar call, and
 // c10's bf16 conversions copy through a struct), for the kernels that follow this file in the one translation
 // unit paged_kernels/cpu_extension.py builds: the exponential for the decode softmax and the SiLU, the conversions for
-// every bf16 row the kernels read or write.
+// every bf16 row the kernels read or write; and which row and cache dtypes the kernels pair.
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <Python.h>
 
@@ -76,6 +77,12 @@ inline scalar_t from_float(float f) {
   } else {
     return static_cast<scalar_t>(f);
   }
+}
+
+// whether rows of `rows` (queries, new K/V rows) pair with a `cache` KV cache in the kernels: the same dtype, or a
+// 16-bit cache under fp32 rows (an fp32 model's fp16 cache: EngineConfig.kv_cache_dtype)
+inline bool pairs_with_cache(c10::ScalarType rows, c10::ScalarType cache) {
+  return rows == cache || (rows == c10::kFloat && (cache == c10::kHalf || cache == c10::kBFloat16));
 }
 
 }  // namespace
