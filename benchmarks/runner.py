@@ -32,6 +32,7 @@ class StepSamples:
     # device blocks in the running sequences' tables: counted once (as held) and per sequence
     blocks_shared: list[int] = field(default_factory=list)
     blocks_unshared: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # every step's wall time, as run_engine timed it
 
 
 @dataclass(slots=True)
@@ -96,7 +97,10 @@ def run_engine(
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, offsets[next_request] - now))
                 continue
-            for output in engine.step():
+            step_start = time.monotonic()
+            outputs = engine.step()
+            samples.step_s.append(time.monotonic() - step_start)
+            for output in outputs:
                 if not output.finished:
                     continue
                 index = int(output.request_id)

@@ -70,7 +70,8 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="fraction of the GPU's total memory for weights, activations and KV cache "
         "(as vLLM; unused when kv_cache_memory is set)")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens one engine step may compute")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="tokens one engine step may compute (unset: 2048 on a GPU, 256 on a CPU)")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     seed: int = Field(0, ge=0, description="seed of the engine's sampler")
     tokenizer: Path | None = Field(None, description="local tokenizer folder (default: the model's)")

@@ -36,7 +36,11 @@ from paged_kernels import select_backend
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TOKEN_BUDGET = 2048
+# tokens one step computes when max_num_batched_tokens is unset, by device type: vLLM's 2,048 on a GPU; on a CPU a
+# 2,048-token prefill step stalls every running sequence for seconds (3.3 s for SmolLM2 on 2 AVX2 cores), while
+# 256-token steps keep the same throughput and let a burst's prompts finish (and stream) one after another:
+# benchmarks.token_budget, BENCHMARKS.md's thirty-first session
+DEFAULT_TOKEN_BUDGET = {"cuda": 2048, "cpu": 256}
 
 StepObserver = Callable[[SchedulerOutput], None]
 
@@ -82,8 +86,9 @@ class LLMEngine:
             max_kv_blocks=self.num_gpu_blocks - self.block_manager.watermark_blocks, max_num_seqs=config.max_num_seqs,
             eos_token_ids=frozenset(self.eos_token_ids),
         )
+        default_budget = DEFAULT_TOKEN_BUDGET[self.device.type]
         token_budget = config.max_num_batched_tokens or (
-            DEFAULT_TOKEN_BUDGET if config.enable_chunked_prefill else max(DEFAULT_TOKEN_BUDGET, self.max_model_len)
+            default_budget if config.enable_chunked_prefill else max(default_budget, self.max_model_len)
         )
         self.scheduler = Scheduler(config, self.block_manager, max(token_budget, config.max_num_seqs))
         if self.ops.compiles_on_first_launch():  # every attention variant compiles now, not in a request's step

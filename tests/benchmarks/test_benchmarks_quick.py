@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cpu_decode, kv_cache_dtype, latency, linear_layers, sampler, sharing, structured, throughput
+from benchmarks import (
+    cpu_decode,
+    kv_cache_dtype,
+    latency,
+    linear_layers,
+    sampler,
+    sharing,
+    structured,
+    throughput,
+    token_budget,
+)
 from engine.models import cpu_packing
 
 
@@ -64,6 +74,25 @@ def test_latency_reports_percentiles_per_system_and_rate(tiny_model_dir: Path, t
     for row in payload["results"]:
         assert 0 < row["p50_normalized_latency_s"] <= row["p99_normalized_latency_s"]
         assert 0 < row["p50_ttft_s"] <= row["p99_ttft_s"]
+
+
+def test_token_budget_steps_more_often_under_a_smaller_budget(tiny_model_dir: Path, tmp_path: Path) -> None:
+    payload = token_budget.main(_argv(tiny_model_dir, tmp_path) + ["--budgets", "2048", "64"])
+    assert (tmp_path / "token-budget.md").read_text().count("| burst |") == 4  # the medians and every run
+    rows = {(row["workload"], row["budget"]): row for row in _written(tmp_path, "token-budget")["rows"]}
+    assert set(rows) == {(workload, budget) for workload in token_budget.WORKLOADS for budget in (2048, 64)}
+    for row in rows.values():
+        assert row["output_tokens_per_s"] > 0 and 0 < row["p50_ttft_s"] <= row["p99_ttft_s"]
+        assert 0 < row["p99_step_s"] <= row["max_step_s"]
+    assert rows["burst", 2048]["throughput_vs_first"] == 1.0
+    # the burst's 4 prompts of 32 tokens fit one 2048-token step, but not one 64-token step
+    steps = {run["budget"]: run["num_steps"] for run in payload["runs"] if run["workload"] == "burst"}
+    assert steps[64] > steps[2048]
+
+
+def test_token_budget_below_max_num_seqs_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        token_budget.parse_args(["--budgets", "2048", "32", "--max-num-seqs", "64"])
 
 
 def test_sharing_saves_blocks_for_samples_beams_and_prefixes(tiny_model_dir: Path, tmp_path: Path) -> None:
