@@ -1,4 +1,4 @@
-"""Job operations behind the routes: create (with idempotency), read, list and cancel."""
+"""Job operations behind the routes: create (with idempotency), read, list, cancel and delete."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -19,7 +19,7 @@ from api.ratelimit import check_inflight
 from api.schemas import JobCreate
 from core import streams
 from core.lifecycle import job_created, transition
-from core.models import ApiKey, Job, JobStatus
+from core.models import FINAL_STATUSES, ApiKey, BatchRequest, Job, JobStatus, WebhookAttempt, WebhookDelivery
 from core.prompts import PromptFieldError, PromptTooLongError, TokenIdError
 from core.settings import get_settings
 from core.structured_outputs import StructuredOutputError, grammar_of
@@ -239,3 +239,23 @@ def cancel_job(session: Session, key: ApiKey, job_id: str) -> Job:
         raise ApiError(409, f"job {job_id} is already {job.status.value} and cannot be cancelled", "job_id")
     streams.request_cancel(streams.redis_client(), job.id)
     return cancelled
+
+
+def delete_job(session: Session, job: Job, described_as: str, field: str, cancel_path: str) -> None:
+    """Delete a finished job for good: its row, its webhook deliveries with their attempts (a delivery not yet made is
+    dropped), and its event streams. 409 naming ``field`` while it is queued or running (``cancel_path`` cancels it)
+    and for a batch's job (the batch's output is built from its jobs)."""
+    if not job.status.is_final:
+        raise ApiError(409, f"{described_as} has not finished: cancel it first (POST {cancel_path}), then delete it",
+                       field)
+    batch_id = session.scalar(select(BatchRequest.batch_id).where(BatchRequest.job_id == job.id).limit(1))
+    if batch_id is not None:
+        raise ApiError(409, f"{described_as} is a request of batch {batch_id}, whose output is built from its "
+                       "requests: it stays while the batch does", field)
+    deliveries = select(WebhookDelivery.id).where(WebhookDelivery.job_id == job.id)
+    session.execute(delete(WebhookAttempt).where(WebhookAttempt.delivery_id.in_(deliveries)))
+    session.execute(delete(WebhookDelivery).where(WebhookDelivery.job_id == job.id))
+    # a final job never moves again; the status test keeps this from ever deleting one a worker still writes
+    session.execute(delete(Job).where(Job.id == job.id, Job.status.in_(FINAL_STATUSES)))
+    session.commit()
+    streams.delete_job_keys(streams.redis_client(), job.id)

@@ -350,6 +350,14 @@ class JobBatchOut(BaseModel):
     data: list[JobOut]
 
 
+class JobDeleted(BaseModel):
+    """The answer to DELETE /v1/jobs/{id}, shaped as OpenAI's deletions are."""
+
+    id: str
+    object: Literal["job"] = "job"
+    deleted: bool = True
+
+
 class WebhookAttemptOut(BaseModel):
     """One recorded webhook attempt."""
 

@@ -86,6 +86,11 @@ def publish_final(client: redis.Redis, job_id: str, status: str) -> None:
     pipe.execute()
 
 
+def delete_job_keys(client: redis.Redis, job_id: str) -> None:
+    """Drop what Redis holds for a deleted job: its two streams and its cancel flag."""
+    client.delete(events_key(job_id), final_key(job_id), cancel_key(job_id))
+
+
 def request_cancel(client: redis.Redis, job_id: str) -> None:
     """Flag a job so that the worker running it aborts it."""
     client.set(cancel_key(job_id), "1", ex=CANCEL_TTL_S)

@@ -17,7 +17,9 @@ from datetime import timedelta
 
 import httpx
 from sqlalchemy import or_, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
 
 from core import queue
 from core.db import session_factory
@@ -141,7 +143,8 @@ def deliver(delivery_id: str) -> None:
         if not _claim(session, delivery_id):
             return  # settled, not due yet, or another copy of this message holds the attempt
         delivery = session.get(WebhookDelivery, delivery_id)
-        assert delivery is not None
+        if delivery is None:  # its job was deleted since the claim
+            return
         body, headers = _signed_request(session, delivery)
         session.commit()  # hold no connection while waiting on the receiver
         started = time.monotonic()
@@ -157,7 +160,12 @@ def deliver(delivery_id: str) -> None:
             delivery.status, delivery.finished_at = DeliveryStatus.failed, utcnow()
         else:
             delivery.next_attempt_at = utcnow() + timedelta(seconds=backoff_s(delivery.num_attempts))
-        session.commit()
+        try:
+            session.commit()
+        except (StaleDataError, IntegrityError):  # its job was deleted (DELETE /v1/jobs/{id}) while this attempt ran
+            session.rollback()
+            log_event(logger, "webhook.delivery_deleted", delivery_id=delivery_id)
+            return
         log_event(logger, "webhook.attempt", delivery_id=delivery.id, job_id=delivery.job_id,
                   attempt=delivery.num_attempts, status_code=status_code, outcome=delivery.status.value)
         record_webhook_attempt(delivery.status)

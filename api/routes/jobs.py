@@ -1,4 +1,4 @@
-"""/v1/jobs: submit, batch-submit, read, list, cancel, and webhook deliveries of a job."""
+"""/v1/jobs: submit, batch-submit, read, list, cancel, delete, and webhook deliveries of a job."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from api import jobs
 from api.auth import CurrentKey, DbSession
 from api.errors import ApiError
-from api.schemas import JobBatchCreate, JobBatchOut, JobList, JobOut, JobRequest, WebhookDeliveryOut
+from api.schemas import JobBatchCreate, JobBatchOut, JobDeleted, JobList, JobOut, JobRequest, WebhookDeliveryOut
 from core.models import JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -65,6 +65,13 @@ def get_job(job_id: str, key: CurrentKey, session: DbSession) -> JobOut:
 def cancel_job(job_id: str, key: CurrentKey, session: DbSession) -> JobOut:
     """Cancel a queued or running job (409 when it already finished)."""
     return JobOut.model_validate(jobs.cancel_job(session, key, job_id))
+
+
+@router.delete("/{job_id}", response_model=JobDeleted)
+def delete_job(job_id: str, key: CurrentKey, session: DbSession) -> JobDeleted:
+    """Delete a finished job with its output and webhook deliveries (409 while it is queued or running)."""
+    jobs.delete_job(session, jobs.get_job(session, key, job_id), f"job {job_id}", "job_id", f"/v1/jobs/{job_id}/cancel")
+    return JobDeleted(id=job_id)
 
 
 @router.get("/{job_id}/webhooks", response_model=list[WebhookDeliveryOut])

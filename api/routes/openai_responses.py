@@ -1,5 +1,6 @@
 """OpenAI's Responses API, as vLLM serves it: POST /v1/responses (streamed, waited for, or in the background),
-GET /v1/responses/{id}, POST /v1/responses/{id}/cancel (idempotent), and OpenAI's GET /v1/responses/{id}/input_items.
+GET /v1/responses/{id}, POST /v1/responses/{id}/cancel (idempotent), and OpenAI's GET /v1/responses/{id}/input_items
+and DELETE /v1/responses/{id}.
 A response is a job: its id is the job's."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import CurrentKey, DbSession
 from api.errors import ApiError
-from api.jobs import cancel_job, get_job
+from api.jobs import cancel_job, delete_job, get_job
 from api.openai_errors import OpenAIRoute
 from api.openai_relay import create_openai_jobs, failure, wait_for_jobs
 from api.openai_schemas import ignored_fields, openai_named
@@ -136,3 +137,11 @@ def cancel_response(response_id: str, key: CurrentKey, session: DbSession) -> di
         raise ApiError(400, f"response {response_id} is already {response_object(job, '')['status']}; only a queued "
                        "or in-progress response can be cancelled", "response_id")
     return response_object(job, answer_model(job))
+
+
+@router.delete("/responses/{response_id}")
+def delete_response(response_id: str, key: CurrentKey, session: DbSession) -> dict[str, Any]:
+    """Delete a finished response (409 while it is queued or in progress), as OpenAI's DELETE does."""
+    job = _response_job(session, key, response_id, "response_id")
+    delete_job(session, job, f"response {response_id}", "response_id", f"/v1/responses/{response_id}/cancel")
+    return {"id": response_id, "object": "response", "deleted": True}

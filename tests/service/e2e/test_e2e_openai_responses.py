@@ -132,6 +132,21 @@ def test_a_background_response_is_fetched_once_done_and_can_be_cancelled(
         list(openai_client.responses.retrieve(fetched.id, stream=True))
 
 
+def test_a_finished_response_is_deleted_through_the_client(openai_client: openai.OpenAI, model: str) -> None:
+    response = openai_client.responses.create(model=model, input="Name a colour.", max_output_tokens=MAX_TOKENS)
+    openai_client.responses.delete(response.id)  # the client takes no body back; the route answers OpenAI's
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.delete(response.id)
+    queued = openai_client.responses.create(model=model, input="Go on.", max_output_tokens=400,
+                                            background=True)
+    with pytest.raises(openai.ConflictError, match="cancel it first"):
+        openai_client.responses.delete(queued.id)
+    openai_client.responses.cancel(queued.id)
+    openai_client.responses.delete(queued.id)
+
+
 def test_a_forced_function_call_is_an_item_and_its_output_continues_the_response(
     openai_client: openai.OpenAI, model: str
 ) -> None:
