@@ -16,6 +16,7 @@ PERCENTILES = (50, 90, 99)
 REQUEST_TIMEOUT_S = 3600  # a slow server is measured, not failed
 # measured only when tokens stream (guidellm reports 0 for whole responses)
 STREAMING_LATENCIES_MS = {"ttft_ms": "time_to_first_token_ms", "itl_ms": "inter_token_latency_ms"}
+DEFAULT_PROMPT_SEED = 42  # guidellm's own default
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,7 @@ class Workload:
     num_requests: int
     prompt_tokens: int
     output_tokens: int
+    repeat_prompts: bool = False  # every run the same prompts (guidellm's default seed), else each run its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +39,9 @@ class Target:
 
 
 def command(target: Target, tokenizer_dir: Path, workload: Workload, stream: bool, concurrency: int,
-            report_path: Path) -> list[str]:
-    """``guidellm run``: ``workload`` sent to ``/v1/completions`` with ``concurrency`` requests in flight."""
+            report_path: Path, prompt_seed: int = DEFAULT_PROMPT_SEED) -> list[str]:
+    """``guidellm run``: ``workload`` sent to ``/v1/completions`` with ``concurrency`` requests in flight, its
+    synthetic prompts drawn with ``prompt_seed`` (the same seed, the same prompts)."""
     backend = (f"kind=openai_http,target={target.base_url},model={target.model},request_format=/v1/completions,"
                f"stream={str(stream).lower()},timeout={REQUEST_TIMEOUT_S}")
     if target.api_key:
@@ -54,6 +57,7 @@ def command(target: Target, tokenizer_dir: Path, workload: Workload, stream: boo
         # prompt costs it about 0.8 ms of CPU, so for the first seconds of a run the client takes most of a core
         # from the server it measures (measured on a 2-vCPU host: 0.7-0.8 cores for about 4 s)
         "--data-loader", f"kind=pytorch,prefetch_factor={workload.num_requests}",
+        "--seed", f"kind=static,value={prompt_seed}",
         "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
         "--output", f"kind=json,path={report_path}",
         "--disable-console",
@@ -67,13 +71,14 @@ def environment(client_processes: int) -> dict[str, str]:
 
 
 def run(target: Target, tokenizer_dir: Path, workload: Workload, stream: bool, concurrency: int,
-        client_processes: int, work_dir: Path) -> dict[str, Any]:
+        client_processes: int, work_dir: Path, prompt_seed: int = DEFAULT_PROMPT_SEED) -> dict[str, Any]:
     """Run guidellm once and return ``summarize`` of its report; raise with its log's tail if it fails."""
     name = f"{'streaming' if stream else 'non-streaming'}-c{concurrency}"
     report_path, log_path = work_dir / f"{name}.json", work_dir / f"{name}.log"
     with log_path.open("w") as log:
-        returncode = subprocess.run(command(target, tokenizer_dir, workload, stream, concurrency, report_path),
-                                    env=environment(client_processes), stdout=log, stderr=subprocess.STDOUT).returncode
+        argv = command(target, tokenizer_dir, workload, stream, concurrency, report_path, prompt_seed)
+        returncode = subprocess.run(argv, env=environment(client_processes), stdout=log,
+                                    stderr=subprocess.STDOUT).returncode
     if returncode != 0 or not report_path.is_file():
         tail = "\n".join(log_path.read_text().splitlines()[-15:])
         raise RuntimeError(f"guidellm failed (exit {returncode}) against {target.base_url}; last lines:\n{tail}")

@@ -4,8 +4,12 @@ One command, one fixed workload (synthetic prompts of exact token counts, EOS ig
 streaming and non-streaming, at each concurrency asked for. pagedserve runs as ``pagedserve up`` starts it
 (its settings' defaults; ``--pagedserve-flags`` adds any of its flags) on a fresh data directory and its own
 embedded Redis; llama-server runs on every GGUF type × slot count asked for, and its best configuration per
-mode and concurrency is the one pagedserve is compared with. ``offline`` runs the same workload through the engine
-in this process (benchmarks/serve_offline.py): the ceiling the service is compared with.
+mode and concurrency is the one pagedserve is compared with. Each run's prompts are new to the server it meets (a
+guidellm seed per round, mode and concurrency, the same for every system), so no prefix cache answers a run from an
+earlier one; ``--repeat-prompts`` sends every run guidellm's default prompts, as the runs before the thirty-first
+session did (llama.cpp's slots then reuse whole prompts they kept, our prefix cache all but the last partial
+block). ``offline`` runs the same workload through the engine in this process (benchmarks/serve_offline.py): the
+ceiling the service is compared with.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "is compared (hosts drift in speed within minutes)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="serve", help="file names of the results: <name>.json, .md, .png")
+    parser.add_argument("--repeat-prompts", action="store_true",
+                        help="every run sends guidellm's default prompts (a server's caches then answer most of a "
+                             "prompt it met in an earlier run) instead of prompts of its own")
     parser.add_argument("--keep-others", action="store_true",
                         help="keep the runs an earlier <name>.json recorded for the systems not measured now "
                              "(same workload), e.g. to re-measure pagedserve against llama.cpp's recorded runs")
@@ -95,9 +102,10 @@ def earlier_runs(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], d
     if not path.is_file():
         raise SystemExit(f"--keep-others: there is no {path} to keep runs from")
     earlier = json.loads(path.read_text())
-    if earlier["workload"] != asdict(workload(args)):
+    # files written before the thirty-first session sent every run the same prompts and did not say so
+    if {"repeat_prompts": True, **earlier["workload"]} != asdict(workload(args)):
         raise SystemExit(f"--keep-others: {path} measured another workload ({earlier['workload']}); "
-                         "give the same --requests, --prompt-tokens and --output-tokens")
+                         "give the same --requests, --prompt-tokens, --output-tokens and --repeat-prompts")
     return (earlier["command"], [row for row in earlier["rows"] if row["system"] not in args.systems],
             earlier.get("llama_cpp"))
 
@@ -211,9 +219,17 @@ def pagedserve_up(model: str, extra_flags: list[str], work_dir: Path,
         llama_cpp.stop_process(process, timeout_s=90.0)  # `up` gives its children 60 s each
 
 
+def prompt_seed(args: argparse.Namespace, round_number: int, mode: str, concurrency: int) -> int:
+    """guidellm's seed for a run's prompts: its default with --repeat-prompts, else one of the round, mode and
+    concurrency's own, the same for every system."""
+    if args.repeat_prompts:
+        return guidellm_client.DEFAULT_PROMPT_SEED
+    return round_number * 1_000_000 + list(MODES).index(mode) * 100_000 + concurrency
+
+
 def workload(args: argparse.Namespace) -> Workload:
     """The fixed workload the options describe."""
-    return Workload(args.requests, args.prompt_tokens, args.output_tokens)
+    return Workload(args.requests, args.prompt_tokens, args.output_tokens, args.repeat_prompts)
 
 
 @dataclass(slots=True)
@@ -245,9 +261,11 @@ class Results:
                 self.progress.set_description(f"{system} {config} {mode} x{concurrency}")
                 before = engine_counters(service.metrics_url, row) if service else None
                 cpu_before = service_cpu_s(service.pid) if service else {}
+                row["prompt_seed"] = prompt_seed(self.args, self.round, mode, concurrency)
                 try:
                     row |= guidellm_client.run(target, self.tokenizer_dir, workload(self.args), MODES[mode],
-                                               concurrency, self.args.client_processes, self.work_dir)
+                                               concurrency, self.args.client_processes, self.work_dir,
+                                               row["prompt_seed"])
                 except RuntimeError as error:
                     row["error"] = str(error)
                 if service is not None and "error" not in row:

@@ -53,7 +53,8 @@ def markdown(payload: dict[str, Any]) -> str:
         f"- Client: guidellm {payload['client']['guidellm']}, {payload['client']['processes']} process(es), "
         f"`/v1/completions`, concurrent profile",
         f"- Workload: {workload['num_requests']} requests of {workload['prompt_tokens']} prompt / "
-        f"{workload['output_tokens']} output tokens (synthetic text, EOS ignored)",
+        f"{workload['output_tokens']} output tokens (synthetic text, EOS ignored; "
+        f"{'the same prompts every run' if workload.get('repeat_prompts', True) else 'each run its own prompts'})",
         "- Output tok/s: successful output tokens over guidellm's measured window. Request latency, TTFT and ITL "
         "(inter-token latency) percentiles in ms; TTFT and ITL only where tokens stream. For pagedserve, from its "
         "worker's metrics over the run: the engine's busy share (time in steps over the measured window) and rows "

@@ -33,6 +33,9 @@ def test_guidellm_measures_pagedserve_up_streaming_and_not(tiny_model_dir: Path,
         assert row["requests_successful"] == NUM_REQUESTS and row["requests_failed"] == 0
         assert row["output_tokens"] == NUM_REQUESTS * OUTPUT_TOKENS  # EOS ignored: every request makes them all
         assert row["output_tokens_per_s"] > 0
+    # each run drew prompts of its own, so the second did not meet the first's in the server's prefix cache
+    assert payload["rows"][0]["prompt_seed"] != payload["rows"][1]["prompt_seed"]
+    assert "each run its own prompts" in (tmp_path / "serve.md").read_text()
     for row in payload["rows"][:2]:
         assert 0 < row["latency_ms_p50"] <= row["latency_ms_p99"]
         # the worker's step counters over the run: every token came from a step of 1 or 2 rows (2 in flight)
@@ -84,6 +87,10 @@ def test_guidellm_runs_offline_on_the_fixed_workload_at_the_asked_concurrency(tm
     assert options["--data-loader"] == "kind=pytorch,prefetch_factor=96"
     assert options["--tokenizer"] == f"kind=hf_auto,model={tmp_path}"  # a local folder: nothing downloads
     assert "stream=true" in options["--backend"] and "api_key=psk_x" in options["--backend"]
+    assert options["--seed"] == "kind=static,value=42"  # guidellm's default prompts unless a seed is given
+    seeded = guidellm_client.command(target, tmp_path, Workload(96, 128, 64), stream=True, concurrency=32,
+                                     report_path=tmp_path / "r.json", prompt_seed=7)
+    assert dict(zip(seeded[4::2], seeded[5::2], strict=False))["--seed"] == "kind=static,value=7"
     environment = guidellm_client.environment(client_processes=1)
     assert environment["HF_HUB_OFFLINE"] == "1" and environment["GUIDELLM__MAX_WORKER_PROCESSES"] == "1"
 
@@ -115,6 +122,16 @@ def test_rounds_repeat_the_matrix_and_record_their_number(tiny_model_dir: Path, 
     assert "| round |" in (tmp_path / "serve.md").read_text()
 
 
+def test_every_run_draws_prompts_of_its_own_unless_prompts_repeat() -> None:
+    cells = [(round_number, mode, concurrency) for round_number in (1, 2) for mode in serve.MODES
+             for concurrency in (1, 4, 16, 100)]
+    fresh = serve.parse_args([])
+    assert len({serve.prompt_seed(fresh, *cell) for cell in cells}) == len(cells)
+    repeated = serve.parse_args(["--repeat-prompts"])
+    assert {serve.prompt_seed(repeated, *cell) for cell in cells} == {guidellm_client.DEFAULT_PROMPT_SEED}
+    assert serve.workload(repeated).repeat_prompts and not serve.workload(fresh).repeat_prompts
+
+
 def test_each_systems_fastest_round_is_compared() -> None:
     runs = [("pagedserve", 1, 100.0), ("offline", 1, 200.0), ("pagedserve", 2, 150.0), ("offline", 2, 180.0)]
     rows = [{"system": system, "round": round_number, "mode": "offline" if system == "offline" else "non-streaming",
@@ -141,8 +158,8 @@ def test_bad_options_are_refused_naming_the_option(argv: list[str], named: str,
 
 
 def test_keep_others_keeps_the_other_systems_runs_of_the_same_workload(tmp_path: Path) -> None:
-    earlier = {"command": "python -m benchmarks.serve", "workload": {"num_requests": 96, "prompt_tokens": 128,
-                                                                     "output_tokens": 128},
+    workload = {"num_requests": 96, "prompt_tokens": 128, "output_tokens": 128, "repeat_prompts": False}
+    earlier = {"command": "python -m benchmarks.serve", "workload": workload,
                "rows": [{"system": "pagedserve", "config": "defaults"}, {"system": "llama.cpp", "config": "x"}],
                "llama_cpp": {"sdist": "llama_cpp_python-0.3.36.tar.gz", "commit": "abc"}}
     (tmp_path / "serve.json").write_text(json.dumps(earlier))
@@ -151,6 +168,13 @@ def test_keep_others_keeps_the_other_systems_runs_of_the_same_workload(tmp_path:
                                         earlier["llama_cpp"])
     with pytest.raises(SystemExit, match="measured another workload"):
         serve.earlier_runs(serve.parse_args(["--systems", "pagedserve", "--requests", "8", "--out", str(tmp_path)]))
+    with pytest.raises(SystemExit, match="measured another workload"):
+        serve.earlier_runs(serve.parse_args(["--systems", "pagedserve", "--repeat-prompts", "--out", str(tmp_path)]))
+    # a file from before prompts were drawn per run sent every run the same ones
+    old_file = {**earlier, "workload": {k: v for k, v in workload.items() if k != "repeat_prompts"}}
+    (tmp_path / "serve.json").write_text(json.dumps(old_file))
+    assert serve.earlier_runs(serve.parse_args(["--systems", "pagedserve", "--keep-others", "--repeat-prompts",
+                                                "--out", str(tmp_path)]))[1] == [{"system": "llama.cpp", "config": "x"}]
 
 
 def test_kept_llama_cpp_runs_keep_the_source_they_ran(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -158,7 +182,8 @@ def test_kept_llama_cpp_runs_keep_the_source_they_ran(tiny_model_dir: Path, tmp_
     source = {"sdist": "llama_cpp_python-0.3.36.tar.gz", "commit": "abc"}
     kept = {"system": "llama.cpp", "config": "BF16 GGUF, 16 slots", "mode": "non-streaming", "concurrency": 2,
             "output_tokens_per_s": 80.0, "requests_failed": 0}
-    workload = {"num_requests": NUM_REQUESTS, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS}
+    workload = {"num_requests": NUM_REQUESTS, "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS,
+                "repeat_prompts": False}
     (tmp_path / "serve.json").write_text(json.dumps({"command": "python -m benchmarks.serve", "workload": workload,
                                                      "rows": [kept], "llama_cpp": source}))
     payload = serve.main([*_pagedserve_argv(tiny_model_dir, tmp_path, SMALL_ENGINE, systems=("offline",)),
