@@ -46,12 +46,18 @@ class FinalEvent:
     entry_id: str | None = None
 
 
-def load_job(job_id: str) -> Job:
-    """A job as the store has it now (in a short session of its own)."""
+@dataclass(frozen=True, slots=True)
+class DeletedEvent:
+    """The job was deleted (DELETE /v1/jobs/{id}) while it was followed; always the last event."""
+
+    job_id: str
+    entry_id: str | None = None
+
+
+def load_job(job_id: str) -> Job | None:
+    """A job as the store has it now (in a short session of its own); None once it was deleted."""
     with session_factory()() as session:
-        job = session.get(Job, job_id)
-        assert job is not None
-        return job
+        return session.get(Job, job_id)
 
 
 class _Received:
@@ -125,7 +131,7 @@ async def _received_before(stream_key: str, last_id: str) -> _Received:
 
 async def follow_job(
     job_id: str, last_id: str = "0-0"
-) -> AsyncIterator[TokenEvent | RestartEvent | FinalEvent | None]:
+) -> AsyncIterator[TokenEvent | RestartEvent | FinalEvent | DeletedEvent | None]:
     """Yield a job's events after `last_id`, and None after each idle second (a chance to send a keep-alive).
     The token events, joined, are the job's output (from `last_id` on): a delta that came twice yields only its new
     part, and what never came is made up from the stored output before the final event."""
@@ -136,6 +142,9 @@ async def follow_job(
             entries = await subscription.next(IDLE_CHECK_MS)
             if not entries:
                 job = await run_in_threadpool(load_job, job_id)
+                if job is None:
+                    yield DeletedEvent(job_id)
+                    return
                 if job.status.is_final:
                     for event in received.missing(job):
                         yield event
@@ -153,14 +162,18 @@ async def follow_job(
                     yield RestartEvent(json.loads(fields["data"])["attempt"], entry_id)
                     continue
                 job = await run_in_threadpool(load_job, job_id)
+                if job is None:
+                    yield DeletedEvent(job_id, entry_id)
+                    return
                 for event in received.missing(job):
                     yield event
                 yield FinalEvent(job, entry_id)
                 return
 
 
-async def follow_final(job_id: str, idle_ms: int = IDLE_CHECK_MS) -> AsyncIterator[FinalEvent | None]:
-    """Yield None after each idle `idle_ms` (a chance to check the client), then the job once final.
+async def follow_final(job_id: str, idle_ms: int = IDLE_CHECK_MS) -> AsyncIterator[FinalEvent | DeletedEvent | None]:
+    """Yield None after each idle `idle_ms` (a chance to check the client), then the job once final (or that it
+    was deleted).
 
     Follows the job's final stream alone, so its tokens wake nothing.
     """
@@ -174,6 +187,9 @@ async def follow_final(job_id: str, idle_ms: int = IDLE_CHECK_MS) -> AsyncIterat
                 # Redis may have lost the final entry, or never got it (it was down when the job ended)
                 next_store_check = time.monotonic() + FINAL_RECHECK_S
             job = await run_in_threadpool(load_job, job_id)
+            if job is None:
+                yield DeletedEvent(job_id)
+                return
             if job.status.is_final:
                 yield FinalEvent(job)
                 return

@@ -5,10 +5,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+import redis
 from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -25,6 +27,7 @@ from core.settings import get_settings
 from core.structured_outputs import StructuredOutputError, grammar_of
 from core.webhook_urls import check_webhook_url
 
+logger = logging.getLogger("pagedserve.api")
 _JOB_ID = re.compile(r"job_[0-9a-f]{32}")  # what core.models.new_id makes
 MAX_BULK_IDS = 500  # jobs one GET /v1/jobs?ids=... reads, as many as its largest page
 
@@ -244,18 +247,27 @@ def cancel_job(session: Session, key: ApiKey, job_id: str) -> Job:
 def delete_job(session: Session, job: Job, described_as: str, field: str, cancel_path: str) -> None:
     """Delete a finished job for good: its row, its webhook deliveries with their attempts (a delivery not yet made is
     dropped), and its event streams. 409 naming ``field`` while it is queued or running (``cancel_path`` cancels it)
-    and for a batch's job (the batch's output is built from its jobs)."""
+    and for a batch's job (a batch's output file is built from its jobs, and batches are never deleted); 404 when
+    another request deleted it first."""
     if not job.status.is_final:
         raise ApiError(409, f"{described_as} has not finished: cancel it first (POST {cancel_path}), then delete it",
                        field)
     batch_id = session.scalar(select(BatchRequest.batch_id).where(BatchRequest.job_id == job.id).limit(1))
     if batch_id is not None:
-        raise ApiError(409, f"{described_as} is a request of batch {batch_id}, whose output is built from its "
-                       "requests: it stays while the batch does", field)
+        raise ApiError(409, f"{described_as} is a request of batch {batch_id}, whose output file is built from its "
+                       "requests' jobs: it cannot be deleted", field)
+    # the deliveries' rows first (PostgreSQL: a webhook attempt in flight records itself after this commit, or before
+    # these deletes), so that no attempt row can appear between deleting the attempts and their deliveries
+    session.execute(select(WebhookDelivery.id).where(WebhookDelivery.job_id == job.id).with_for_update())
     deliveries = select(WebhookDelivery.id).where(WebhookDelivery.job_id == job.id)
     session.execute(delete(WebhookAttempt).where(WebhookAttempt.delivery_id.in_(deliveries)))
     session.execute(delete(WebhookDelivery).where(WebhookDelivery.job_id == job.id))
-    # a final job never moves again; the status test keeps this from ever deleting one a worker still writes
-    session.execute(delete(Job).where(Job.id == job.id, Job.status.in_(FINAL_STATUSES)))
+    # a final job never moves again (a worker aborting a cancelled one only reads its cancel flag, kept)
+    deleted = session.execute(delete(Job).where(Job.id == job.id, Job.status.in_(FINAL_STATUSES))).rowcount
     session.commit()
-    streams.delete_job_keys(streams.redis_client(), job.id)
+    if deleted == 0:
+        raise ApiError(404, f"{described_as} not found", field)
+    try:
+        streams.delete_job_streams(streams.redis_client(), job.id)
+    except redis.RedisError as exc:  # the job is gone from the store; its streams expire on their own
+        logger.warning("job.streams_not_deleted job_id=%s error=%r", job.id, exc)

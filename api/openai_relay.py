@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from api import jobs
 from api.disconnect_check import DisconnectCheck
 from api.errors import ApiError
-from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_final, follow_job
+from api.job_follow import DeletedEvent, FinalEvent, RestartEvent, TokenEvent, follow_final, follow_job
 from api.openai_schemas import StreamOptions, openai_named
 from api.schemas import JobCreate
 from core.db import session_factory
@@ -90,6 +90,8 @@ async def wait_for_job(request: Request, key: ApiKey, job_id: str, timeout_s: fl
         async for event in events:
             if isinstance(event, FinalEvent):
                 return event.job
+            if isinstance(event, DeletedEvent):
+                raise ApiError(404, f"job {job_id} was deleted before it answered", None)
             if time.monotonic() >= deadline:
                 await cancel_unfinished(key, job_id)
                 raise ApiError(504, f"job {job_id} did not finish within {timeout_s:g} s and was cancelled", None)
@@ -217,6 +219,9 @@ class _JobRelay:
                     # streamed text cannot be taken back: end this stream, the job itself runs on
                     yield self._error(503, f"job {self.job.id} restarted after a worker failure; "
                                            "fetch its result when it finishes")
+                    return
+                elif isinstance(event, DeletedEvent):
+                    yield self._error(404, f"job {self.job.id} was deleted while it streamed")
                     return
                 else:
                     self.job = event.job

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 
 from api.disconnect_check import DisconnectCheck
-from api.job_follow import FinalEvent, RestartEvent, TokenEvent, follow_job
+from api.job_follow import DeletedEvent, FinalEvent, RestartEvent, TokenEvent, follow_job
 from api.openai_relay import cancel_unfinished, failure
 from api.openai_schemas import openai_named
 from api.responses_body import message_id, message_item, response_object, text_part
@@ -151,6 +151,11 @@ async def stream_response(request: Request, key: ApiKey, job: Job, model: str, t
                     finished = True
                     for line in events.closing(event.job):
                         yield line
+                elif isinstance(event, DeletedEvent):
+                    finished = True
+                    yield events.event("error", code="not_found", param="response_id",
+                                       message=f"response {job.id} was deleted while it streamed")
+                    return
     finally:
         if not finished:
             await cancel_unfinished(key, job.id)

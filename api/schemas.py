@@ -358,6 +358,14 @@ class JobDeleted(BaseModel):
     deleted: bool = True
 
 
+class ResponseDeleted(BaseModel):
+    """OpenAI's answer to DELETE /v1/responses/{id}."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
+
+
 class WebhookAttemptOut(BaseModel):
     """One recorded webhook attempt."""
 

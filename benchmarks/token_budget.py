@@ -8,7 +8,8 @@ Two workloads per budget, each on a fresh engine (no prefix cache carried over):
 - **poisson**: ``--num-requests`` ShareGPT-shaped requests arriving at ``--load`` times the workload's capacity,
   which an offline pass under the first budget measures.
 
-Budgets alternate within each of ``--rounds``; each budget's figures are the median over rounds.
+Each round runs every budget in turn, in the given order and then reversed in the next round (a host's drift
+favours none); each budget's figures are the median over ``--rounds``.
 
     .venv/bin/python -m benchmarks.token_budget --budgets 2048 512 256 --rounds 2 --name token-budget
 """
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = []
     for round_number in range(1, args.rounds + 1):
         for workload, (reqs, arrivals) in workloads.items():
-            for budget in args.budgets:
+            for budget in args.budgets if round_number % 2 else reversed(args.budgets):
                 runs.append({"round": round_number, "workload": workload, "budget": budget,
                              **summary(run(args, budget, reqs, arrivals))})
     rows = medians(runs, args.budgets)

@@ -86,9 +86,10 @@ def publish_final(client: redis.Redis, job_id: str, status: str) -> None:
     pipe.execute()
 
 
-def delete_job_keys(client: redis.Redis, job_id: str) -> None:
-    """Drop what Redis holds for a deleted job: its two streams and its cancel flag."""
-    client.delete(events_key(job_id), final_key(job_id), cancel_key(job_id))
+def delete_job_streams(client: redis.Redis, job_id: str) -> None:
+    """Drop a deleted job's two streams. Its cancel flag stays until it expires: a worker still aborting the job
+    (cancelled a moment before) learns of the cancel from it alone."""
+    client.delete(events_key(job_id), final_key(job_id))
 
 
 def request_cancel(client: redis.Redis, job_id: str) -> None:

@@ -36,13 +36,22 @@ from paged_kernels import select_backend
 
 logger = logging.getLogger(__name__)
 
-# tokens one step computes when max_num_batched_tokens is unset, by device type: vLLM's 2,048 on a GPU; on a CPU a
-# 2,048-token prefill step stalls every running sequence for seconds (3.3 s for SmolLM2 on 2 AVX2 cores), while
-# 256-token steps keep the same throughput and let a burst's prompts finish (and stream) one after another:
-# benchmarks.token_budget, BENCHMARKS.md's thirty-first session
-DEFAULT_TOKEN_BUDGET = {"cuda": 2048, "cpu": 256}
+GPU_TOKEN_BUDGET = 2048  # vLLM's
+# a CPU's: a 2,048-token prefill step stalls every running sequence for seconds (3.3 s for SmolLM2 on 2 AVX2 cores),
+# while 256-token steps keep the throughput and let a burst's prompts finish (and stream) one after another
+# (benchmarks.token_budget; BENCHMARKS.md, thirty-first session)
+CPU_TOKEN_BUDGET = 256
 
 StepObserver = Callable[[SchedulerOutput], None]
+
+
+def default_token_budget(device: torch.device, chunked_prefill: bool, max_model_len: int) -> int:
+    """The tokens one step computes when ``max_num_batched_tokens`` is unset: GPU_TOKEN_BUDGET on CUDA,
+    CPU_TOKEN_BUDGET elsewhere; without chunked prefill a prompt is computed whole, so the budget holds the longest
+    one (vLLM's rule), and short steps would gain nothing."""
+    if not chunked_prefill:
+        return max(GPU_TOKEN_BUDGET, max_model_len)
+    return GPU_TOKEN_BUDGET if device.type == "cuda" else CPU_TOKEN_BUDGET
 
 
 def check_kv_cache_budget(config: EngineConfig, folder: Path) -> None:
@@ -86,10 +95,8 @@ class LLMEngine:
             max_kv_blocks=self.num_gpu_blocks - self.block_manager.watermark_blocks, max_num_seqs=config.max_num_seqs,
             eos_token_ids=frozenset(self.eos_token_ids),
         )
-        default_budget = DEFAULT_TOKEN_BUDGET[self.device.type]
-        token_budget = config.max_num_batched_tokens or (
-            default_budget if config.enable_chunked_prefill else max(default_budget, self.max_model_len)
-        )
+        token_budget = config.max_num_batched_tokens or default_token_budget(
+            self.device, config.enable_chunked_prefill, self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, max(token_budget, config.max_num_seqs))
         if self.ops.compiles_on_first_launch():  # every attention variant compiles now, not in a request's step
             attention = self.model.layers[0].self_attn

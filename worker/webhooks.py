@@ -143,7 +143,7 @@ def deliver(delivery_id: str) -> None:
         if not _claim(session, delivery_id):
             return  # settled, not due yet, or another copy of this message holds the attempt
         delivery = session.get(WebhookDelivery, delivery_id)
-        if delivery is None:  # its job was deleted since the claim
+        if delivery is None or delivery.job is None:  # its job was deleted since the claim
             return
         body, headers = _signed_request(session, delivery)
         session.commit()  # hold no connection while waiting on the receiver

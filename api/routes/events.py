@@ -15,7 +15,7 @@ from api import jobs
 from api.auth import CurrentKey, DbSession
 from api.disconnect_check import DisconnectCheck
 from api.errors import ApiError
-from api.job_follow import RestartEvent, TokenEvent, follow_job
+from api.job_follow import DeletedEvent, RestartEvent, TokenEvent, follow_job
 from api.schemas import JobOut
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -38,6 +38,8 @@ async def _events(request: Request, job_id: str, last_id: str) -> AsyncIterator[
                 yield _sse("token", json.dumps(event.delta), event.entry_id)
             elif isinstance(event, RestartEvent):
                 yield _sse("restart", json.dumps({"attempt": event.attempt}), event.entry_id)
+            elif isinstance(event, DeletedEvent):  # by DELETE /v1/jobs/{id}, while this stream followed it
+                yield _sse("deleted", json.dumps({"id": job_id}), event.entry_id)
             else:
                 yield _sse("done", JobOut.model_validate(event.job).model_dump_json(), event.entry_id)
 
@@ -50,7 +52,8 @@ async def job_events(
     session: DbSession,
     last_event_id: Annotated[str | None, Header(pattern=r"^\d+-\d+$")] = None,
 ) -> StreamingResponse:
-    """Stream `token` events ({index, text, token_ids} deltas) and one final `done` event with the job."""
+    """Stream `token` events ({index, text, token_ids} deltas) and one final `done` event with the job (`deleted`
+    instead when the job is deleted meanwhile)."""
     if last_event_id and any(int(part) >= 1 << 64 for part in last_event_id.split("-")):
         raise ApiError(422, "Last-Event-ID must be the id of an event this stream sent (<ms>-<seq>, each below "
                        "2**64)", "Last-Event-ID")

@@ -22,6 +22,7 @@ from api.openai_schemas import ignored_fields, openai_named
 from api.responses_body import input_items, output_items, response_object
 from api.responses_schemas import FunctionCallItem, InputMessage, ResponsesRequest, chat_messages, responses_named
 from api.responses_stream import stream_response
+from api.schemas import ResponseDeleted
 from core.models import ApiKey, Job, JobStatus
 from core.openai_responses import RESPONSES, answer_model, served_model_id
 from core.settings import get_settings
@@ -139,9 +140,9 @@ def cancel_response(response_id: str, key: CurrentKey, session: DbSession) -> di
     return response_object(job, answer_model(job))
 
 
-@router.delete("/responses/{response_id}")
-def delete_response(response_id: str, key: CurrentKey, session: DbSession) -> dict[str, Any]:
+@router.delete("/responses/{response_id}", response_model=ResponseDeleted)
+def delete_response(response_id: str, key: CurrentKey, session: DbSession) -> ResponseDeleted:
     """Delete a finished response (409 while it is queued or in progress), as OpenAI's DELETE does."""
     job = _response_job(session, key, response_id, "response_id")
     delete_job(session, job, f"response {response_id}", "response_id", f"/v1/responses/{response_id}/cancel")
-    return {"id": response_id, "object": "response", "deleted": True}
+    return ResponseDeleted(id=response_id)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.llm_engine import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, default_token_budget
 from tests.conftest import tiny_block_bytes
 from tests.engine.hf_reference import hf_beam
 
@@ -126,6 +128,37 @@ def test_running_sequences_decode_every_step_during_a_long_chunked_prefill(tiny_
             break
         prefill_steps += 1
     assert prefill_steps >= len(long_prompt) // 32 - 1  # the prompt really was spread over many steps
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "budget"),
+    [
+        ({}, CPU_TOKEN_BUDGET),  # the CPU's own default
+        ({"max_num_seqs": CPU_TOKEN_BUDGET + 8}, CPU_TOKEN_BUDGET + 8),  # every running sequence decodes each step
+        ({"max_num_batched_tokens": 100}, 100),  # asked for
+        ({"enable_chunked_prefill": False, "max_model_len": 512}, GPU_TOKEN_BUDGET),  # prompts computed whole
+    ],
+)
+def test_a_cpu_engine_steps_its_default_token_budget(tiny_model_dir: Path, kwargs: dict, budget: int) -> None:
+    llm = tiny_llm(tiny_model_dir, device="cpu", **kwargs)
+    assert llm.engine.scheduler.token_budget == budget
+    if budget == CPU_TOKEN_BUDGET:  # a prompt longer than the budget is prefilled over several steps
+        llm.engine.add_request("long", list(range(1000, 1000 + 2 * CPU_TOKEN_BUDGET - 8)),
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+        steps = 0
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            steps += 1
+        assert steps == 2
+
+
+def test_the_default_token_budget_follows_the_device_and_chunked_prefill() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_token_budget(cuda, True, 4096) == GPU_TOKEN_BUDGET
+    assert default_token_budget(cpu, True, 4096) == CPU_TOKEN_BUDGET
+    assert default_token_budget(torch.device("meta"), True, 4096) == CPU_TOKEN_BUDGET  # any device but CUDA
+    assert default_token_budget(cpu, False, 512) == GPU_TOKEN_BUDGET
+    assert default_token_budget(cpu, False, 8192) == default_token_budget(cuda, False, 8192) == 8192
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,10 @@ def test_openapi_documents_the_job_routes(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/jobs", "/v1/jobs/batch", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
             "/v1/jobs/{job_id}/events"} <= set(paths)
+    assert {"get", "delete"} <= set(paths["/v1/jobs/{job_id}"])
+    assert {"get", "delete"} <= set(paths["/v1/responses/{response_id}"])
+    deleted = paths["/v1/responses/{response_id}"]["delete"]["responses"]["200"]["content"]["application/json"]
+    assert deleted["schema"]["$ref"].endswith("/ResponseDeleted")
 
 
 def test_the_api_process_never_imports_torch(api_model_dir: Path) -> None:

@@ -3,14 +3,19 @@ its Redis streams; a job still queued or running, another key's, and a batch's s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
+from api import jobs
+from api.errors import ApiError
+from api.job_follow import DeletedEvent, FinalEvent, follow_final, follow_job
 from core import streams
 from core.db import session_factory
 from core.lifecycle import transition
@@ -66,17 +71,59 @@ def test_a_queued_job_must_be_cancelled_first(client: TestClient, auth_headers: 
     assert f"POST /v1/jobs/{job_id}/cancel" in refused.json()["error"]["message"]
     assert client.get(f"/v1/jobs/{job_id}", headers=auth_headers).json()["status"] == "queued"  # nothing lost
     assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth_headers).status_code == 200
-    assert streams.cancel_key(job_id) in _redis_keys(job_id)  # with the final event cancelling published
     assert client.delete(f"/v1/jobs/{job_id}", headers=auth_headers).status_code == 200
-    assert _stored(Job, Job.id == job_id) == [] and _redis_keys(job_id) == []
+    assert _stored(Job, Job.id == job_id) == [] and _redis_keys(job_id) == [streams.cancel_key(job_id)]
 
 
-def test_a_running_job_is_not_deleted(client: TestClient, auth_headers: dict[str, str]) -> None:
+def test_a_running_job_cancelled_and_deleted_keeps_its_cancel_flag(client: TestClient,
+                                                                   auth_headers: dict[str, str]) -> None:
     job_id = _submit(client, auth_headers)
     with session_factory()() as session:
         transition(session, job_id, JobStatus.running, {JobStatus.queued})
     assert client.delete(f"/v1/jobs/{job_id}", headers=auth_headers).status_code == 409
     assert client.get(f"/v1/jobs/{job_id}", headers=auth_headers).json()["status"] == "running"
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth_headers).status_code == 200
+    assert client.delete(f"/v1/jobs/{job_id}", headers=auth_headers).status_code == 200
+    # the worker still generating learns of the cancel from this flag alone (worker/cancel_watch.py)
+    assert streams.redis_client().exists(streams.cancel_key(job_id))
+
+
+def test_a_second_delete_of_the_same_job_is_not_found(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    _finish(job_id)
+    with session_factory()() as session:  # read before the first delete, as a concurrent request would have
+        stale = session.get(Job, job_id)
+        assert stale is not None
+        assert client.delete(f"/v1/jobs/{job_id}", headers=auth_headers).status_code == 200
+        with pytest.raises(ApiError) as refused:
+            jobs.delete_job(session, stale, f"job {job_id}", "job_id", "")
+    assert refused.value.status_code == 404 and refused.value.field == "job_id"
+
+
+def _followed(follow: Callable[[], AsyncIterator[Any]]) -> list[Any]:
+    """What a follower yields up to its last event."""
+
+    async def collect() -> list[Any]:
+        events = []
+        async with aclosing(follow()) as follower:
+            async for event in follower:
+                events.append(event)
+                if isinstance(event, FinalEvent | DeletedEvent):
+                    break
+        return events
+
+    return asyncio.run(asyncio.wait_for(collect(), timeout=30))
+
+
+def test_followers_of_a_job_deleted_under_them_end_saying_so(client: TestClient, auth_headers: dict[str, str]) -> None:
+    job_id = _submit(client, auth_headers)
+    _finish(job_id)
+    with session_factory()() as session:  # deleted between its final entry and the followers' read of the store
+        session.execute(delete(Job).where(Job.id == job_id))
+        session.commit()
+    for follow in (lambda: follow_job(job_id), lambda: follow_final(job_id)):
+        events = _followed(follow)
+        assert isinstance(events[-1], DeletedEvent) and events[-1].job_id == job_id
 
 
 def test_another_keys_job_is_not_found_and_stays(
@@ -89,7 +136,16 @@ def test_another_keys_job_is_not_found_and_stays(
     assert client.get(f"/v1/jobs/{job_id}", headers=auth_headers).json()["status"] == "succeeded"
 
 
-def test_webhook_deliveries_and_attempts_go_with_the_job(client: TestClient, auth_headers: dict[str, str]) -> None:
+def _queued_messages(settings: Settings, delivery_id: str) -> int:
+    """Messages on the webhook queue that name ``delivery_id``."""
+    queued = redis.Redis.from_url(settings.redis_url).lrange(f"{settings.redis_key_prefix}celery:pagedserve.webhooks",
+                                                             0, -1)
+    return sum(delivery_id.encode() in message for message in queued)
+
+
+def test_webhook_deliveries_and_attempts_go_with_the_job(
+    client: TestClient, auth_headers: dict[str, str], service_settings: Settings
+) -> None:
     job_id = _submit(client, auth_headers, webhook_url="http://127.0.0.1:9/nobody-listens")
     _finish(job_id)
     (delivery,) = _stored(WebhookDelivery, WebhookDelivery.job_id == job_id)
@@ -98,14 +154,10 @@ def test_webhook_deliveries_and_attempts_go_with_the_job(client: TestClient, aut
     assert client.delete(f"/v1/jobs/{job_id}", headers=auth_headers).status_code == 200
     assert _stored(WebhookDelivery, WebhookDelivery.job_id == job_id) == []
     assert _stored(WebhookAttempt, WebhookAttempt.delivery_id == delivery.id) == []
-    webhooks.deliver(delivery.id)  # its queued retry finds nothing to send
-
-
-def _queued_messages(settings: Settings, delivery_id: str) -> int:
-    """Messages on the webhook queue that name ``delivery_id``."""
-    queued = redis.Redis.from_url(settings.redis_url).lrange(f"{settings.redis_key_prefix}celery:pagedserve.webhooks",
-                                                             0, -1)
-    return sum(delivery_id.encode() in message for message in queued)
+    queued = _queued_messages(service_settings, delivery.id)
+    webhooks.deliver(delivery.id)  # its queued retry finds nothing to send, and records and queues nothing
+    assert _stored(WebhookAttempt, WebhookAttempt.delivery_id == delivery.id) == []
+    assert _queued_messages(service_settings, delivery.id) == queued
 
 
 def test_a_job_deleted_while_its_webhook_attempt_runs_ends_the_delivery_quietly(
