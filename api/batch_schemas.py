@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.schemas import StorableStr
+from api.schemas import Deleted, StorableStr
 from core.models import Batch, StoredFile
 
 
@@ -44,12 +44,10 @@ class FileObject(BaseModel):
                    filename=stored.filename, purpose=stored.purpose)
 
 
-class FileDeleted(BaseModel):
+class FileDeleted(Deleted):
     """OpenAI's answer to DELETE /v1/files/{id}."""
 
-    id: str
     object: Literal["file"] = "file"
-    deleted: bool = True
 
 
 class BatchObject(BaseModel):

@@ -350,20 +350,23 @@ class JobBatchOut(BaseModel):
     data: list[JobOut]
 
 
-class JobDeleted(BaseModel):
+class Deleted(BaseModel):
+    """OpenAI's answer to a DELETE: the id, and that it is gone; each kind names its object."""
+
+    id: str
+    deleted: bool = True
+
+
+class JobDeleted(Deleted):
     """The answer to DELETE /v1/jobs/{id}, shaped as OpenAI's deletions are."""
 
-    id: str
     object: Literal["job"] = "job"
-    deleted: bool = True
 
 
-class ResponseDeleted(BaseModel):
+class ResponseDeleted(Deleted):
     """OpenAI's answer to DELETE /v1/responses/{id}."""
 
-    id: str
     object: Literal["response"] = "response"
-    deleted: bool = True
 
 
 class WebhookAttemptOut(BaseModel):
