@@ -120,9 +120,9 @@ class LLMEngine:
         self._aborted: list[SequenceGroup] = []
         logger.info(
             "engine ready: model=%s dtype=%s kv_cache_dtype=%s device=%s blocks=%d cpu_blocks=%d block_size=%d "
-            "decode graphs=%s",
+            "max_num_seqs=%d max_num_batched_tokens=%d decode graphs=%s",
             self.model_name, self.dtype, self.kv_cache_dtype, self.device, self.num_gpu_blocks, self.num_cpu_blocks,
-            config.block_size,
+            config.block_size, config.max_num_seqs, self.scheduler.token_budget,
             graphs.sizes if graphs else "off",
         )
 

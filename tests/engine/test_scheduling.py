@@ -139,9 +139,12 @@ def test_running_sequences_decode_every_step_during_a_long_chunked_prefill(tiny_
         ({"enable_chunked_prefill": False, "max_model_len": 512}, GPU_TOKEN_BUDGET),  # prompts computed whole
     ],
 )
-def test_a_cpu_engine_steps_its_default_token_budget(tiny_model_dir: Path, kwargs: dict, budget: int) -> None:
-    llm = tiny_llm(tiny_model_dir, device="cpu", **kwargs)
+def test_a_cpu_engine_steps_its_default_token_budget(tiny_model_dir: Path, kwargs: dict, budget: int,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="engine.llm_engine"):
+        llm = tiny_llm(tiny_model_dir, device="cpu", **kwargs)
     assert llm.engine.scheduler.token_budget == budget
+    assert f"max_num_batched_tokens={budget} " in caplog.text  # the operator sees the budget in effect
     if budget == CPU_TOKEN_BUDGET:  # a prompt longer than the budget is prefilled over several steps
         llm.engine.add_request("long", list(range(1000, 1000 + 2 * CPU_TOKEN_BUDGET - 8)),
                                SamplingParams(max_tokens=1, ignore_eos=True))
