@@ -258,8 +258,8 @@ def delete_job(session: Session, job: Job, described_as: str, field: str, cancel
                        "requests' jobs: it cannot be deleted", field)
     # the deliveries' rows first (PostgreSQL: a webhook attempt in flight records itself after this commit, or before
     # these deletes), so that no attempt row can appear between deleting the attempts and their deliveries
-    session.execute(select(WebhookDelivery.id).where(WebhookDelivery.job_id == job.id).with_for_update())
     deliveries = select(WebhookDelivery.id).where(WebhookDelivery.job_id == job.id)
+    session.execute(deliveries.with_for_update())
     session.execute(delete(WebhookAttempt).where(WebhookAttempt.delivery_id.in_(deliveries)))
     session.execute(delete(WebhookDelivery).where(WebhookDelivery.job_id == job.id))
     # a final job never moves again (a worker aborting a cancelled one only reads its cancel flag, kept)

@@ -34,11 +34,14 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.runner import EngineRun, run_engine
+from benchmarks.serve_report import machine_line, markdown_table
 from benchmarks.workloads import Request, corpus_token_ids, make_requests, poisson_arrivals
 from engine.model_files import load_tokenizer
 
 WORKLOADS = ("burst", "poisson")
 METRICS = ("output_tokens_per_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s", "p99_step_s", "max_step_s")
+COLUMNS = ["workload", "budget", *METRICS, "throughput_vs_first"]
+RUN_COLUMNS = ["round", "workload", "budget", *METRICS, "num_steps"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -121,21 +124,12 @@ def plot(rows: list[dict[str, Any]], path: Any, title: str) -> None:
     save_figure(fig, path)
 
 
-def markdown(command: str, rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+def markdown(command: str, machine_info: dict[str, Any], rows: list[dict[str, Any]],
+             runs: list[dict[str, Any]]) -> str:
     """The results as a Markdown page: the command, the machine, the medians and every run."""
-    info = machine()
-    columns = ["workload", "budget", *METRICS, "throughput_vs_first"]
-    lines = ["# Per-step token budget", "", "```", command, "```",
-             "", f"- Machine: {info['cpu_model']}, {info['cpu_count']} CPUs, flags {' '.join(info['cpu_flags'])}, "
-             f"torch {info['torch']} ({info['torch_threads']} threads)", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(f"{row[c]:.3g}" if isinstance(row[c], float) else str(row[c]) for c in columns) + " |"
-              for row in rows]
-    run_columns = ["round", "workload", "budget", *METRICS, "num_steps"]
-    lines += ["", "## Every run", "", "| " + " | ".join(run_columns) + " |", "|" + "---|" * len(run_columns)]
-    lines += ["| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in run_columns) + " |"
-              for r in runs]
-    return "\n".join(lines) + "\n"
+    return "\n".join(["# Per-step token budget", "", f"```\n{command}\n```", "",
+                      f"- Machine: {machine_line(machine_info)}", "", markdown_table(rows, COLUMNS), "",
+                      "## Every run", "", markdown_table(runs, RUN_COLUMNS)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -153,13 +147,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs.append({"round": round_number, "workload": workload, "budget": budget,
                              **summary(run(args, budget, reqs, arrivals))})
     rows = medians(runs, args.budgets)
-    print_table(f"{args.model}: median over {args.rounds} round(s)", rows,
-                ["workload", "budget", *METRICS, "throughput_vs_first"])
+    print_table(f"{args.model}: median over {args.rounds} round(s)", rows, COLUMNS)
     payload = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                "poisson_rate_per_s": args.load * capacity, "rows": rows, "runs": runs}
     write_json(args.name, payload, args.out)
     command = "python -m benchmarks.token_budget " + " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / f"{args.name}.md").write_text(markdown(command, rows, runs))
+    (args.out / f"{args.name}.md").write_text(markdown(command, payload["machine"], rows, runs))
     plot(rows, args.out / f"{args.name}.png", args.model)
     return payload
 
